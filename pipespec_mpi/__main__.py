@@ -1,0 +1,86 @@
+"""Entry point: ``mpirun -n 3 python -m pipespec_mpi [hydra overrides]``.
+
+Thin on purpose: MPI first (rank 0 picks the run's time stamp and broadcasts it, so every rank
+resolves the same Hydra run directory), then Hydra composes the config, ``load_config`` types
+and validates it, and ``Runner`` does the work. Any exception on any rank aborts the whole job.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipespec_mpi.comm.bootstrap import (
+    abort,
+    check_singletons,
+    shutdown_torch_distributed,
+    world_info,
+)
+from pipespec_mpi.config import load_config
+from pipespec_mpi.topology import check_world
+
+WORLD = None  # set once in main() before Hydra starts; read by the task function
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def app(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    world = WORLD
+    try:
+        typed = load_config(OmegaConf.to_container(cfg, resolve=True))
+        check_world(world.size, typed.hierarchy.n_stages)
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        logging.getLogger("pipespec_mpi").setLevel(
+            logging.INFO if world.rank == 0 else logging.WARNING
+        )
+        from pipespec_mpi.runner import Runner
+
+        Runner(typed, run_dir, world).run()
+    except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
+        from pipespec_mpi.topology import TopologyError
+        from pipespec_mpi.config import ConfigError
+
+        if isinstance(exc, (ConfigError, TopologyError)):
+            # Every rank found the same problem before any heavy work: print it once and exit.
+            if world.rank == 0:
+                sys.stderr.write(f"[pipespec_mpi] {exc}\n")
+            sys.stderr.flush()
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
+            os._exit(2)
+        abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
+
+
+def main() -> None:
+    global WORLD
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    try:
+        WORLD = world_info()
+        check_singletons(WORLD)
+        from mpi4py import MPI
+
+        stamp = time.strftime("%Y-%m-%d/%H-%M-%S") if WORLD.rank == 0 else None
+        stamp = MPI.COMM_WORLD.bcast(stamp, root=0)
+    except BaseException as exc:  # noqa: BLE001
+        abort(exc, "startup")
+    os.environ.setdefault("PIPESPEC_RUN_STAMP", stamp)
+    os.environ["PIPESPEC_RANK"] = str(WORLD.rank)
+    OmegaConf.register_new_resolver(
+        "pipespec_output_subdir", lambda: ".hydra" if WORLD.rank == 0 else None, replace=True
+    )
+    app()
+    shutdown_torch_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""MPI and torch.distributed plumbing: bootstrap, proposal channels, the epochs window."""

@@ -1,0 +1,118 @@
+"""MPI bootstrap: world facts, torch.distributed initialised from MPI, job-wide abort.
+
+Rank, size and local rank come from mpi4py. torch.distributed is only initialised when a torch
+transport is chosen: rank 0 picks the rendezvous address and a free port and broadcasts them.
+On a single node the rendezvous binds to loopback (gloo otherwise resolves the host name to an
+address it may not be able to use); across nodes it uses the interface the user configures.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    n_nodes: int
+    hostname: str
+
+
+def mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world_info() -> World:
+    MPI = mpi()
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    hosts = comm.allgather(MPI.Get_processor_name())
+    w = World(
+        rank=comm.Get_rank(),
+        size=comm.Get_size(),
+        local_rank=node.Get_rank(),
+        local_size=node.Get_size(),
+        n_nodes=len(set(hosts)),
+        hostname=hosts[comm.Get_rank()],
+    )
+    node.Free()
+    return w
+
+
+def check_singletons(world: World) -> None:
+    """Guard against ``srun --mpi=none``: N copies of a 1-rank world instead of one N-rank world."""
+    for var in ("SLURM_NTASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        expected = os.environ.get(var)
+        if expected and expected.isdigit() and int(expected) > 1 and world.size == 1:
+            raise RuntimeError(
+                f"{var}={expected} but MPI reports a world of 1: the ranks did not form one MPI "
+                "world (with Slurm use `srun --mpi=pmi2`, or mpiexec inside the allocation)"
+            )
+
+
+def _iface_address(iface: str) -> str:
+    import fcntl
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    finally:
+        s.close()
+
+
+def init_torch_distributed(world: World, backend: str, iface: str | None) -> None:
+    """Initialise torch.distributed over the MPI world (rank 0 picks address and port)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    comm = mpi().COMM_WORLD
+    if world.n_nodes == 1:
+        iface = iface or "lo"
+    if iface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    addr = port = None
+    if world.rank == 0:
+        addr = (
+            "127.0.0.1"
+            if world.n_nodes == 1
+            else (_iface_address(iface) if iface else socket.gethostbyname(socket.gethostname()))
+        )
+        with socket.socket() as s:
+            s.bind((addr, 0))
+            port = s.getsockname()[1]
+    addr, port = comm.bcast((addr, port), root=0)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{addr}:{port}", rank=world.rank, world_size=world.size
+    )
+
+
+def shutdown_torch_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort(exc: BaseException, where: str) -> None:
+    """Print this rank's error and bring the whole job down (never leave peers hanging)."""
+    msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(f"\n[pipespec_mpi] FATAL on {where}:\n{msg}\n")
+    sys.stderr.flush()
+    try:
+        mpi().COMM_WORLD.Abort(1)
+    finally:
+        os._exit(1)

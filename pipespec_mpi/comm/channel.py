@@ -1,0 +1,251 @@
+"""Proposal channels: non-blocking point-to-point messages in preallocated fixed-size buffers.
+
+A message is int64[4 + max_msg_tokens]: (prompt, epoch, start, count, tokens...). ``prompt`` is
+the prompt sequence number (stale messages from a finished prompt are recognisable), ``epoch``
+the receiver's rollback epoch the sender had seen, ``start`` the position of the first token.
+A count of -1 closes the channel.
+
+The receiver keeps ``depth`` receives posted ahead and polls them in posting order (MPI and gloo
+both keep point-to-point order per sender), so a stage never blocks on its upstream. Three
+transports with one interface:
+  mpi   mpi4py Isend / Irecv on numpy buffers
+  gloo  torch.distributed isend / irecv on CPU tensors; gloo only reports a receive complete
+        once it is waited on, so a helper thread waits (blocking, not spinning) and queues them
+  nccl  torch.distributed on device tensors; receives polled with ``is_completed``
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+META = 4
+CLOSE = -1
+TAG = 7
+
+
+@dataclass(frozen=True)
+class Proposal:
+    prompt: int
+    epoch: int
+    start: int
+    tokens: list[int]
+
+
+def encode(buf: np.ndarray, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
+    buf[:META] = (prompt, epoch, start, len(tokens))
+    buf[META : META + len(tokens)] = tokens
+
+
+def decode(buf: np.ndarray) -> Proposal | None:
+    count = int(buf[3])
+    if count == CLOSE:
+        return None
+    return Proposal(int(buf[0]), int(buf[1]), int(buf[2]), buf[META : META + count].tolist())
+
+
+class _SendRing:
+    """Preallocated send buffers; a buffer is reused only once its send completed."""
+
+    def __init__(self, depth: int, width: int, make_buf, isend, test) -> None:
+        self.bufs = [make_buf(width) for _ in range(depth)]
+        self.reqs: list = [None] * depth
+        self.next = 0
+        self._isend, self._test = isend, test
+
+    def acquire(self, wait) -> int:
+        i = self.next
+        if self.reqs[i] is not None:
+            wait(lambda: self._test(self.reqs[i]), "a send buffer to free up")
+        self.reqs[i] = None
+        self.next = (i + 1) % len(self.bufs)
+        return i
+
+    def drained(self) -> bool:
+        return all(r is None or self._test(r) for r in self.reqs)
+
+
+class Sender:
+    """Downstream side of a channel (owned by the proposing stage)."""
+
+    def __init__(
+        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None
+    ):
+        self.transport, self.peer, self.width = transport, peer, max_msg_tokens
+        self.depth = depth
+        if transport == "mpi":
+            self.comm = comm
+            self.ring = _SendRing(
+                depth,
+                META + max_msg_tokens,
+                lambda w: np.zeros(w, dtype=np.int64),
+                None,
+                lambda r: r.Test(),
+            )
+        else:
+            import torch
+
+            self.device = device or torch.device("cpu")
+            self.host = np.zeros(META + max_msg_tokens, dtype=np.int64)
+            self.ring = _SendRing(
+                depth,
+                META + max_msg_tokens,
+                lambda w: torch.zeros(w, dtype=torch.int64, device=self.device),
+                None,
+                lambda r: r.is_completed(),
+            )
+        self.bytes_sent = 0
+        self.messages = 0
+
+    def _post(self, wait, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
+        i = self.ring.acquire(wait)
+        if self.transport == "mpi":
+            buf = self.ring.bufs[i]
+            encode(buf, prompt, epoch, start, tokens)
+            self.ring.reqs[i] = self.comm.Isend(buf, dest=self.peer, tag=TAG)
+        else:
+            import torch
+            import torch.distributed as dist
+
+            encode(self.host, prompt, epoch, start, tokens)
+            self.ring.bufs[i].copy_(torch.from_numpy(self.host), non_blocking=False)
+            self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
+        self.bytes_sent += (META + self.width) * 8
+        self.messages += 1
+
+    def send(self, wait, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
+        """Send tokens for positions start.. in as many messages as their width needs."""
+        for off in range(0, len(tokens), self.width):
+            self._post(wait, prompt, epoch, start + off, tokens[off : off + self.width])
+
+    def close(self, wait) -> None:
+        """Match every receive the peer keeps posted with a close message, then drain."""
+        for _ in range(self.depth):
+            i = self.ring.acquire(wait)
+            if self.transport == "mpi":
+                buf = self.ring.bufs[i]
+                buf[:META] = (0, 0, 0, CLOSE)
+                self.ring.reqs[i] = self.comm.Isend(buf, dest=self.peer, tag=TAG)
+            else:
+                import torch
+                import torch.distributed as dist
+
+                self.host[:META] = (0, 0, 0, CLOSE)
+                self.ring.bufs[i].copy_(torch.from_numpy(self.host))
+                self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
+        wait(self.ring.drained, "close messages to be delivered")
+
+
+class Receiver:
+    """Upstream side of a channel (owned by the verifying stage)."""
+
+    def __init__(
+        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None
+    ):
+        self.transport, self.peer, self.depth = transport, peer, depth
+        width = META + max_msg_tokens
+        self.closed = 0
+        if transport == "mpi":
+            self.comm = comm
+            self.bufs = [np.zeros(width, dtype=np.int64) for _ in range(depth)]
+            self.posted: deque = deque()
+            for i in range(depth):
+                self.posted.append((i, comm.Irecv(self.bufs[i], source=peer, tag=TAG)))
+        elif transport == "gloo":
+            import torch
+
+            self.queue: queue.Queue = queue.Queue()
+            self.bufs = [torch.zeros(width, dtype=torch.int64) for _ in range(depth)]
+            self.thread = threading.Thread(
+                target=self._gloo_loop, name=f"recv<-{peer}", daemon=True
+            )
+            self.error: BaseException | None = None
+            self.thread.start()
+        else:  # nccl
+            import torch
+            import torch.distributed as dist
+
+            self.device = device
+            self.bufs = [torch.zeros(width, dtype=torch.int64, device=device) for _ in range(depth)]
+            self.posted = deque(
+                (i, dist.irecv(self.bufs[i], src=peer, tag=TAG)) for i in range(depth)
+            )
+
+    def _gloo_loop(self) -> None:
+        import torch.distributed as dist
+
+        # depth receives posted ahead, completed in order by blocking waits on this thread
+        try:
+            works = deque(
+                (i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)) for i in range(self.depth)
+            )
+            closes = 0
+            while works:
+                i, w = works.popleft()
+                w.wait()
+                msg = decode(self.bufs[i].numpy())
+                if msg is None:
+                    closes += 1
+                    self.queue.put(None)
+                    continue
+                self.queue.put(msg)
+                works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
+        except BaseException as err:  # surfaced on the main thread by poll()
+            self.error = err
+            self.queue.put(None)
+
+    def poll(self) -> list[Proposal]:
+        """All messages that have arrived, in order; never blocks."""
+        out: list[Proposal] = []
+        if self.transport == "gloo":
+            while True:
+                try:
+                    msg = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if msg is None:
+                    if self.error is not None:
+                        raise RuntimeError(
+                            f"gloo receive from rank {self.peer} failed"
+                        ) from self.error
+                    self.closed += 1
+                else:
+                    out.append(msg)
+            return out
+        while self.posted:
+            i, req = self.posted[0]
+            if self.transport == "mpi":
+                if not req.Test():
+                    break
+                msg = decode(self.bufs[i])
+            else:
+                if not req.is_completed():
+                    break
+                msg = decode(self.bufs[i].cpu().numpy())
+            self.posted.popleft()
+            if msg is None:
+                self.closed += 1
+                continue
+            out.append(msg)
+            self._repost(i)
+        return out
+
+    def _repost(self, i: int) -> None:
+        if self.transport == "mpi":
+            self.posted.append((i, self.comm.Irecv(self.bufs[i], source=self.peer, tag=TAG)))
+        else:
+            import torch.distributed as dist
+
+            self.posted.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
+
+    def close(self, wait) -> None:
+        """Consume messages until the sender's close messages matched every posted receive."""
+        wait(
+            lambda: (self.poll() is not None) and self.closed >= self.depth, "the channel to close"
+        )
+        if self.transport == "gloo":
+            self.thread.join(timeout=5)

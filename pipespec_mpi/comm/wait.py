@@ -1,0 +1,59 @@
+"""Waiting without burning a core: poll, then sleep with exponential backoff.
+
+MPICH's blocking calls spin; on a CPU node where ranks share cores a spinning rank steals its
+neighbour's compute. Every wait in this package polls a condition and sleeps between polls
+(20 us doubling to 1 ms), and gives up with ``StallError`` after a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class StallError(TimeoutError):
+    pass
+
+
+class Backoff:
+    def __init__(self, min_s: float = 20e-6, max_s: float = 1e-3) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self.delay = min_s
+
+    def reset(self) -> None:
+        self.delay = self.min_s
+
+    def sleep(self) -> float:
+        d = self.delay
+        time.sleep(d)
+        self.delay = min(self.max_s, self.delay * 2)
+        return d
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` with backoff until it holds; raise StallError naming ``what`` on timeout."""
+    if cond():
+        return
+    backoff = Backoff()
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise StallError(f"no progress for {timeout_s:.0f} s while waiting for {what}")
+        backoff.sleep()
+
+
+def wait_request(req, timeout_s: float, what: str):
+    """Complete an MPI request (e.g. Ibarrier) without spinning; returns its result if any."""
+    box: list = []
+
+    def done() -> bool:
+        flag = req.test() if hasattr(req, "test") else req.Test()
+        if isinstance(flag, tuple):
+            ok, value = flag
+            if ok:
+                box.append(value)
+            return bool(ok)
+        return bool(flag)
+
+    wait_until(done, timeout_s, what)
+    return box[0] if box else None

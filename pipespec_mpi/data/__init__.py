@@ -1,0 +1,1 @@
+"""Prompt datasets (offline) and deterministic sharding across replicas and array tasks."""

@@ -1,0 +1,137 @@
+"""Metric definitions (pure functions over records; see README "Output contract").
+
+Definitions follow what users know from vLLM / llama.cpp:
+  mean acceptance length   1 + accepted proposal tokens / verifications
+  per-position acceptance  for proposal position j: fraction of verifications that accepted it,
+                           among verifications that proposed at least j+1 tokens
+  accepted histogram       how many verifications accepted 0, 1, 2, ... tokens (paper Fig. 3)
+  ms per token             total decode time over total generated tokens (as in the paper)
+  busy fraction            a stage's compute time (prefill, drafts, verifications, own steps)
+                           over the prompt's wall time
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+
+def acceptance(trace: Sequence[Sequence[int]]) -> dict:
+    """Acceptance statistics of one verifier from its [n_proposed, n_accepted] trace."""
+    verifs = len(trace)
+    accepted = sum(a for _, a in trace)
+    proposed = sum(n for n, _ in trace)
+    longest = max((n for n, _ in trace), default=0)
+    per_pos = []
+    for j in range(longest):
+        eligible = [a for n, a in trace if n > j]
+        per_pos.append(sum(1 for a in eligible if a > j) / len(eligible) if eligible else 0.0)
+    hist = [0] * (longest + 1)
+    for _, a in trace:
+        hist[a] += 1
+    return {
+        "verifications": verifs,
+        "proposed": proposed,
+        "accepted": accepted,
+        "mean_accepted": accepted / verifs if verifs else 0.0,
+        "mean_acceptance_length": 1 + accepted / verifs if verifs else 0.0,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "per_position_acceptance": per_pos,
+        "accepted_histogram": hist,
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
+    """Per-token latency (s): each commit's interval spread over the tokens it committed."""
+    out: list[float] = []
+    prev_t, prev_n = 0.0, 0
+    for t, n in commit_times:
+        k = int(n) - prev_n
+        if k > 0:
+            out.extend([(t - prev_t) / k] * k)
+        prev_t, prev_n = t, int(n)
+    return out
+
+
+def summarize(records: Iterable[dict]) -> dict:
+    """summary.json: per method, aggregated over the (non-warm-up) records."""
+    by_method: dict[str, list[dict]] = {}
+    for r in records:
+        if not r.get("warmup"):
+            by_method.setdefault(r["method"], []).append(r)
+    out = {}
+    for method, rs in by_method.items():
+        tokens = sum(r["n_new_tokens"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        n_stages = len(rs[0]["stages"])
+        pairs = {}
+        for s in range(1, n_stages):
+            trace = [t for r in rs for t in r["stages"][s]["verify_trace"]]
+            pairs[f"{s - 1}->{s}"] = acceptance(trace)
+        stages = []
+        for s in range(n_stages):
+            st = [r["stages"][s] for r in rs]
+            stages.append({
+                "model": st[0]["model"],
+                "forward_calls": sum(x["forward_calls"] for x in st),
+                "rollbacks": sum(x["rollbacks"] for x in st),
+                "tokens_discarded": sum(x["tokens_discarded"] for x in st),
+                "discarded_s": sum(x["discarded_s"] for x in st),
+                "busy_fraction": sum(x["busy_s"] + x["prefill_s"] for x in st) / wall if wall else 0.0,
+            })  # fmt: skip
+        lat = [x for r in rs for x in token_latencies(r["stages"][-1]["commit_times"])]
+        out[method] = {
+            "n_prompts": len(rs),
+            "n_tokens": tokens,
+            "wall_s": wall,
+            "ms_per_token": 1000 * wall / tokens if tokens else 0.0,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "ttft_s_mean": statistics.fmean(r["ttft_s"] for r in rs),
+            "token_latency_ms": {f"p{q}": 1000 * percentile(lat, q) for q in (50, 90, 99)},
+            "acceptance": pairs,
+            "mean_accepted_per_verification": {k: v["mean_accepted"] for k, v in pairs.items()},
+            "stages": stages,
+        }
+    return out
+
+
+def benchmark_table(records: Iterable[dict], methods: Sequence[str]) -> dict:
+    """benchmark.json: per method ms/token, tokens/s and speedup over ``ar`` (aggregate ratio,
+    and median/min/max of per-prompt ratios over the prompts every method decoded)."""
+    rs = [r for r in records if not r.get("warmup")]
+    summary = summarize(rs)
+    per_prompt: dict[str, dict[str, float]] = {}
+    for r in rs:
+        key = f"{r['replica']}:{r['prompt_id']}"
+        per_prompt.setdefault(key, {})[r["method"]] = r["ms_per_token"]
+    out = {}
+    for m in methods:
+        if m not in summary:
+            continue
+        row = {
+            k: summary[m][k]
+            for k in ("n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s")
+        }
+        row["mean_accepted_per_verification"] = summary[m]["mean_accepted_per_verification"]
+        row["busy_fraction"] = [s["busy_fraction"] for s in summary[m]["stages"]]
+        if "ar" in summary:
+            row["speedup"] = summary["ar"]["ms_per_token"] / summary[m]["ms_per_token"]
+            ratios = [
+                p["ar"] / p[m] for p in per_prompt.values() if "ar" in p and m in p and p[m] > 0
+            ]
+            if ratios:
+                row["speedup_per_prompt"] = {
+                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                    "n": len(ratios),
+                }  # fmt: skip
+        out[m] = row
+    return out

@@ -1,0 +1,89 @@
+"""The two things a stage can compute with.
+
+``Scorer``: a causal LM with a KV cache that can be cut back to any length. It returns the
+logits for the positions after a committed sequence plus an optional proposal, in one forward.
+``Proposer``: a model-free drafter (prompt lookup) that proposes tokens from the text so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class Scorer(Protocol):
+    name: str
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        """Start a new sequence: reset the cache and encode all but the last prompt token."""
+
+    def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
+        """Logits [len(proposal)+1, V] for the positions after ``seq`` and each proposal prefix.
+
+        ``seq`` is the full sequence (prompt + committed tokens); tokens not yet in the cache are
+        encoded in the same forward. Afterwards the cache holds seq + proposal.
+        """
+
+    def truncate(self, length: int) -> None:
+        """Cut the cache back to its first ``length`` positions (no-op if it is shorter)."""
+
+    @property
+    def cached(self) -> int: ...
+
+
+class Proposer(Protocol):
+    name: str
+
+    def prefill(self, prompt: Sequence[int]) -> None: ...
+
+    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens continuing ``seq`` (may be empty)."""
+
+
+class KVScorer:
+    """A transformers causal LM plus a ``DynamicCache`` rolled back with ``crop``."""
+
+    def __init__(self, name: str, model: torch.nn.Module, device: torch.device) -> None:
+        from transformers import DynamicCache
+
+        self.name = name
+        self.model = model.eval()
+        self.device = device
+        self._cache_cls = DynamicCache
+        self._cache = DynamicCache(config=model.config)
+        self._len = 0
+        self._ids = torch.empty(0, dtype=torch.long)
+
+    @property
+    def cached(self) -> int:
+        return self._len
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def prefill(self, prompt: Sequence[int]) -> None:
+        self._cache = self._cache_cls(config=self.model.config)
+        self._len = 0
+        if len(prompt) > 1:
+            self._forward(list(prompt[:-1]), keep=1)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=keep)
+        self._len += len(tokens)
+        return out.logits[0]  # [keep, V]
+
+    def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
+        if self._len >= len(seq):
+            raise RuntimeError(f"{self.name}: cache holds {self._len} >= {len(seq)} positions")
+        new = list(seq[self._len :]) + list(proposal)
+        return self._forward(new, keep=len(proposal) + 1).float()
+
+    def truncate(self, length: int) -> None:
+        if self._len > length:
+            self._cache.crop(length - self._len)  # transformers 5: negative = tokens to remove
+            self._len = length

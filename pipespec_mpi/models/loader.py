@@ -1,0 +1,155 @@
+"""Build one stage's model (and the hierarchy's tokenizer) from typed config.
+
+Sources: ``tiny`` (derived random models), ``hf`` (hub id or local directory, safetensors),
+``gguf``, ``smollm2`` (embedded), ``int8_copy`` (dynamic int8 copy of another stage) and
+``prompt_lookup`` (model-free). Hub access is off unless ``PIPESPEC_ALLOW_DOWNLOAD=1``: a model
+that is not on disk fails at once with a message naming the stage, the id and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from pipespec_mpi.config import HierarchyConfig, StageConfig, TokenizerConfig
+from pipespec_mpi.models.base import KVScorer, Proposer, Scorer
+from pipespec_mpi.models.prompt_lookup import PromptLookup
+from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
+from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def allow_download() -> bool:
+    return os.environ.get("PIPESPEC_ALLOW_DOWNLOAD", "0") == "1"
+
+
+def _unavailable(stage: str, ident: str, err: Exception) -> ModelUnavailable:
+    return ModelUnavailable(
+        f"stage {stage!r}: model {ident!r} is not available offline ({type(err).__name__}: "
+        f"{str(err).splitlines()[0][:200]}). Provide the weights first: download them where the "
+        f"network is reachable (`huggingface-cli download {ident}`) into $HF_HOME (now "
+        f"{os.environ.get('HF_HOME', '~/.cache/huggingface')}), or set the stage's model to a "
+        "local directory with config.json and *.safetensors; PIPESPEC_ALLOW_DOWNLOAD=1 lets "
+        "this job fetch from the hub itself."
+    )
+
+
+def resolve_device(stage: StageConfig, cuda_devices: list[int]) -> torch.device:
+    if stage.device != "auto":
+        return torch.device(stage.device)
+    if torch.cuda.is_available() and cuda_devices:
+        return torch.device(f"cuda:{cuda_devices[0]}")
+    return torch.device("cpu")
+
+
+def _from_pretrained(stage: StageConfig, device: torch.device, cuda_devices: list[int], **extra):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(
+        dtype=DTYPES[stage.dtype],
+        trust_remote_code=stage.trust_remote_code,
+        local_files_only=not allow_download(),
+        **extra,
+    )
+    if stage.quantization in ("bnb_4bit", "bnb_8bit"):
+        from transformers import BitsAndBytesConfig
+
+        if stage.quantization == "bnb_4bit":
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=DTYPES[stage.dtype],
+            )
+        else:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    if len(cuda_devices) > 1:  # a stage spread over several GPUs (e.g. 70B in 4-bit over 2)
+        kwargs["device_map"] = "auto"
+        kwargs["max_memory"] = {d: "1000GiB" for d in cuda_devices}
+    elif stage.quantization.startswith("bnb"):
+        kwargs["device_map"] = {"": device.index or 0}
+    ident = stage.model or ""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ident, **kwargs)
+    except (OSError, ValueError) as err:
+        if Path(ident).exists() and not isinstance(err, OSError):
+            raise
+        raise _unavailable(stage.name, ident, err) from err
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    return model
+
+
+def _int8_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.ao.quantization import quantize_dynamic
+
+    return quantize_dynamic(model.float().cpu(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _load_torch_model(
+    hier: HierarchyConfig, index: int, device: torch.device, cuda_devices: list[int]
+) -> torch.nn.Module:
+    stage = hier.stages[index]
+    if stage.kind == "tiny":
+        from pipespec_mpi.models.tiny import build_tiny
+
+        return build_tiny(hier.tiny, stage.layers, stage.noise, index, DTYPES[stage.dtype]).to(
+            device
+        )
+    if stage.kind == "hf":
+        return _from_pretrained(stage, device, cuda_devices)
+    if stage.kind == "gguf":
+        return _from_pretrained(stage, device, cuda_devices, gguf_file=stage.gguf_file)
+    if stage.kind == "smollm2":
+        path = ensure_cache()
+        return _from_pretrained(
+            StageConfig(**{**stage.__dict__, "kind": "hf", "model": str(path)}),
+            device,
+            cuda_devices,
+        )
+    if stage.kind == "int8_copy":
+        assert stage.copy_of is not None
+        src = _load_torch_model(hier, stage.copy_of, torch.device("cpu"), [])
+        if device.type != "cpu":
+            raise ValueError(
+                f"stage {stage.name!r}: int8_copy (fbgemm dynamic int8) runs on CPU only"
+            )
+        return _int8_dynamic(src)
+    raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no torch model")
+
+
+def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Scorer | Proposer:
+    """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer."""
+    stage = hier.stages[index]
+    if stage.kind == "prompt_lookup":
+        return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
+    device = resolve_device(stage, cuda_devices)
+    if stage.kind == "int8_copy":
+        device = torch.device("cpu")
+    model = _load_torch_model(hier, index, device, cuda_devices)
+    return KVScorer(stage.name, model, device)
+
+
+def load_tokenizer(cfg: TokenizerConfig, hier_name: str) -> Tokenizer:
+    if cfg.kind == "bytes":
+        return ByteTokenizer(cfg.eos_token_id)
+    from transformers import AutoTokenizer
+
+    if cfg.kind == "smollm2":
+        return HFTokenizer(AutoTokenizer.from_pretrained(ensure_cache()), cfg.eos_token_id)
+    ident = cfg.path or ""
+    kwargs = {"local_files_only": not allow_download()}
+    if cfg.kind == "gguf":
+        kwargs["gguf_file"] = cfg.gguf_file
+    try:
+        tok = AutoTokenizer.from_pretrained(ident, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _unavailable(f"tokenizer of {hier_name}", ident, err) from err
+    return HFTokenizer(tok, cfg.eos_token_id)

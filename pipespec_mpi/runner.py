@@ -1,0 +1,345 @@
+"""One job on one rank: place the rank, load its stage, decode the replica's prompts, write results.
+
+Data path: prompts (rank 0 loads and tokenizes, broadcasts) -> per prompt and method: reset
+windows, start barrier, StageLoop.run on every stage -> stage stats to the replica's leader (its
+last stage) -> one JSON line appended to ``parts/replica-<r>.jsonl`` -> at the end rank 0 merges
+the parts into ``results.jsonl`` and writes ``summary.json`` (and ``benchmark.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipespec_mpi import metrics
+from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
+from pipespec_mpi.comm.channel import Receiver, Sender
+from pipespec_mpi.comm.wait import wait_until
+from pipespec_mpi.comm.window import EpochWindow
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.data.datasets import load_prompts, shard
+from pipespec_mpi.spec.stage import StageLoop, StageRole
+from pipespec_mpi.topology import Placement, device_for, place
+
+log = logging.getLogger("pipespec_mpi")
+STATS_TAG = 11
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of timed work: a prompt decoded with one method."""
+
+    seq: int
+    prompt_id: str
+    prompt_ids: list[int]
+    method: str
+    warmup: bool
+
+
+def resolve_transport(kind: str) -> str:
+    import torch
+
+    if kind != "auto":
+        return kind
+    return "nccl" if torch.cuda.is_available() else "mpi"
+
+
+def set_threads(threads: int | None, local_size: int) -> int:
+    import torch
+
+    n = threads or max(1, len(os.sched_getaffinity(0)) // local_size)
+    torch.set_num_threads(n)
+    return n
+
+
+def tokenize_prompts(cfg: AppConfig, tokenizer) -> list[tuple[str, list[int], str]]:
+    """(id, token ids, text) for the run's prompts; raises on prompts that cannot fit."""
+    chat = cfg.dataset.chat_template
+    if chat is None:
+        chat = cfg.hierarchy.tokenizer.chat_template
+    out = []
+    for item in load_prompts(cfg.dataset):
+        ids = tokenizer.encode(item.text, chat=chat)
+        if len(ids) > cfg.dataset.max_prompt_tokens:
+            ids = ids[:1] + ids[-(cfg.dataset.max_prompt_tokens - 1) :]  # keep BOS and the end
+        out.append((item.id, ids, item.text))
+    return out
+
+
+def plan_jobs(
+    cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str]]
+) -> list[Job]:
+    """This replica's jobs: its shard of the prompts, interleaving methods in benchmark mode."""
+    methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method.name]
+    mine = shard(
+        shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas
+    )
+    jobs: list[Job] = []
+    seq = 0
+    if cfg.run.mode == "benchmark" and mine and cfg.run.warmup_prompts:
+        for pid, ids, _ in mine[: cfg.run.warmup_prompts]:
+            for m in methods:
+                seq += 1
+                jobs.append(Job(seq, pid, ids, m, warmup=True))
+    for pid, ids, _ in mine:
+        for m in methods:
+            seq += 1
+            if (pid, m) not in done:
+                jobs.append(Job(seq, pid, ids, m, warmup=False))
+    return jobs
+
+
+class Runner:
+    def __init__(self, cfg: AppConfig, run_dir: Path, world: World) -> None:
+        self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        self.MPI = mpi()
+        self.comm = self.MPI.COMM_WORLD
+        self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
+
+    # ------------------------------------------------------------------ setup
+    def _load(self) -> None:
+        from pipespec_mpi.models.loader import load_stage, load_tokenizer
+
+        cfg, pl = self.cfg, self.pl
+        stage_cfg = cfg.hierarchy.stages[pl.stage]
+        self.threads = set_threads(stage_cfg.threads, self.world.local_size)
+        self.transport = resolve_transport(cfg.transport.kind)
+        import torch
+
+        n_gpus = torch.cuda.device_count()
+        self.cuda_devices = device_for(
+            [s.n_gpus for s in cfg.hierarchy.stages], pl.stage, self.world.local_rank, n_gpus
+        )
+        if self.transport in ("gloo", "nccl"):
+            if self.transport == "nccl" and not torch.cuda.is_available():
+                raise RuntimeError("transport=nccl needs CUDA; use transport=mpi or gloo on CPUs")
+            init_torch_distributed(self.world, self.transport, cfg.transport.iface)
+
+        self.tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+        prompts = None
+        if self.world.rank == 0:
+            prompts = tokenize_prompts(cfg, self.tokenizer)
+        self.prompts = self.comm.bcast(prompts, root=0)
+
+        t0 = time.perf_counter()
+        self.model = load_stage(cfg.hierarchy, pl.stage, self.cuda_devices)
+        log.info("stage %d (%s) loaded in %.1f s, %d threads, transport %s",
+                 pl.stage, stage_cfg.name, time.perf_counter() - t0, self.threads, self.transport)  # fmt: skip
+        self._check_vocab()
+
+    def _check_vocab(self) -> None:
+        """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare."""
+        vocab = getattr(self.model, "vocab_size", None)
+        got = self.comm.allgather(
+            (self.pl.stage, self.cfg.hierarchy.stages[self.pl.stage].name, vocab)
+        )
+        need = self.tokenizer.vocab_size
+        bad = [
+            f"stage {s} ({n}): model vocabulary {v} < tokenizer's {need}"
+            for s, n, v in got
+            if v is not None and v < need
+        ]
+        if bad:
+            raise RuntimeError("stages do not share the tokenizer: " + "; ".join(sorted(set(bad))))
+
+    def _connect(self) -> None:
+        cfg, pl = self.cfg, self.pl
+        device = None
+        if self.transport == "nccl":
+            import torch
+
+            device = torch.device(f"cuda:{self.cuda_devices[0]}")
+        t = cfg.transport
+        self.sender = (
+            Sender(self.transport, self.comm, pl.downstream, t.depth, t.max_msg_tokens, device)
+            if pl.downstream is not None else None
+        )  # fmt: skip
+        self.receiver = (
+            Receiver(self.transport, self.comm, pl.upstream, t.depth, t.max_msg_tokens, device)
+            if pl.upstream is not None else None
+        )  # fmt: skip
+        max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
+        self.window = EpochWindow(self.comm, max_tokens)
+        self.replica_comm = self.comm.Split(color=pl.replica, key=pl.stage)
+        role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
+        self.loop = StageLoop(
+            role, self.model, self.window, self.sender, self.receiver, cfg.decode,
+            self.tokenizer.eos_token_id, cfg.run.stall_timeout_s,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ per prompt
+    def _wait(self, cond, what: str) -> None:
+        """Wait without spinning; keep draining proposals so the upstream's sends complete."""
+
+        def check() -> bool:
+            if self.receiver is not None:
+                self.receiver.poll()
+            return cond()
+
+        wait_until(check, self.cfg.run.stall_timeout_s, what)
+
+    def _barrier(self, comm, what: str) -> None:
+        req = comm.Ibarrier()
+        self._wait(lambda: req.Test(), what)
+
+    def _collect(self, job: Job, outcome, t_wall: float) -> dict | None:
+        """Send stage stats to the leader; the leader returns the full record."""
+        pl, rc = self.pl, self.replica_comm
+        leader = pl.n_stages - 1
+        if not pl.is_last:
+            req = rc.isend(outcome.stats.as_dict(), dest=leader, tag=STATS_TAG)
+            self._wait(lambda: req.Test(), "the leader to take the stage stats")
+            return None
+        stats = [None] * pl.n_stages
+        stats[leader] = outcome.stats.as_dict()
+        for s in range(pl.n_stages - 1):
+            status = self.MPI.Status()
+            self._wait(
+                lambda s=s: rc.iprobe(source=s, tag=STATS_TAG, status=status), f"stats of stage {s}"
+            )
+            stats[s] = rc.recv(source=s, tag=STATS_TAG)
+        n = len(outcome.tokens)
+        commits = outcome.stats.commit_times
+        return {
+            "prompt_id": job.prompt_id,
+            "replica": pl.replica,
+            "method": job.method,
+            "warmup": job.warmup,
+            "seq": job.seq,
+            "prompt_ids": job.prompt_ids,
+            "output_ids": outcome.tokens,
+            "text": self.tokenizer.decode(outcome.tokens),
+            "n_new_tokens": n,
+            "finish_reason": outcome.finish_reason,
+            "wall_s": t_wall,
+            "ms_per_token": 1000 * t_wall / n if n else 0.0,
+            "ttft_s": commits[0][0] if commits else t_wall,
+            "lookahead": self.cfg.decode.lookahead,
+            "max_new_tokens": self.cfg.decode.max_new_tokens,
+            "transport": self.transport,
+            "hierarchy": self.cfg.hierarchy.name,
+            "models": [s.name for s in self.cfg.hierarchy.stages],
+            "stages": stats,
+        }
+
+    def _run_job(self, job: Job) -> dict | None:
+        self.loop.reset(job.seq)
+        self._barrier(
+            self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}"
+        )
+        t0 = time.perf_counter()
+        outcome = self.loop.run(job.seq, job.prompt_ids, job.method)
+        t_wall = time.perf_counter() - t0
+        return self._collect(job, outcome, t_wall)
+
+    # ------------------------------------------------------------------ the job
+    def part_path(self, replica: int) -> Path:
+        return self.run_dir / "parts" / f"replica-{replica}.jsonl"
+
+    def _done_jobs(self) -> set[tuple[str, str]]:
+        if not self.cfg.run.resume:
+            return set()
+        done = set()
+        for p in [
+            self.run_dir / "results.jsonl",
+            *sorted((self.run_dir / "parts").glob("*.jsonl")),
+        ]:
+            if p.exists():
+                for line in p.read_text().splitlines():
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut by a kill
+                    if not r.get("warmup"):
+                        done.add((r["prompt_id"], r["method"]))
+        return done
+
+    def run(self) -> None:
+        self._load()
+        self._connect()
+        try:
+            done = self.comm.bcast(self._done_jobs() if self.world.rank == 0 else None, root=0)
+            jobs = plan_jobs(self.cfg, self.prompts, self.pl, done)
+            if self.pl.is_last:
+                self.part_path(self.pl.replica).parent.mkdir(parents=True, exist_ok=True)
+                part = open(self.part_path(self.pl.replica), "a", encoding="utf-8")
+            bar = self._progress(len(jobs))
+            for job in jobs:
+                rec = self._run_job(job)
+                if rec is not None:
+                    part.write(json.dumps(rec) + "\n")
+                    part.flush()
+                    os.fsync(part.fileno())
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(
+                            method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}"
+                        )
+            if self.pl.is_last:
+                part.close()
+            if bar is not None:
+                bar.close()
+            self._barrier(self.comm, "all replicas to finish")
+            if self.world.rank == 0:
+                self._finalize()
+            self._barrier(self.comm, "rank 0 to write the summary")
+        finally:
+            self._close()
+
+    def _progress(self, total: int):
+        if not (self.cfg.run.progress and self.pl.is_last and self.pl.replica == 0):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=f"replica 0 ({self.pl.n_replicas} total)", unit="prompt")
+
+    def _close(self) -> None:
+        if self.sender is not None:
+            self.sender.close(lambda c, w: wait_until(c, self.cfg.run.stall_timeout_s, w))
+        if self.receiver is not None:
+            self.receiver.close(lambda c, w: wait_until(c, self.cfg.run.stall_timeout_s, w))
+        self.window.free()
+        self.replica_comm.Free()
+
+    def _finalize(self) -> None:
+        records = []
+        for p in sorted((self.run_dir / "parts").glob("replica-*.jsonl")):
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    records.append(json.loads(line))
+        order = {pid: i for i, (pid, _, _) in enumerate(self.prompts)}
+        records.sort(
+            key=lambda r: (r.get("warmup") is not True, order.get(r["prompt_id"], 0), r["seq"])
+        )
+        with open(self.run_dir / "results.jsonl", "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        summary = metrics.summarize(records)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.cfg.run.mode == "benchmark":
+            bench = metrics.benchmark_table(records, self.cfg.run.methods)
+            (self.run_dir / "benchmark.json").write_text(json.dumps(bench, indent=2))
+            print(format_benchmark(bench), flush=True)
+        else:
+            for m, s in summary.items():
+                print(f"[pipespec_mpi] {m}: {s['n_prompts']} prompts, {s['n_tokens']} tokens, "
+                      f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s, "
+                      f"accepted/verification {s['mean_accepted_per_verification']}", flush=True)  # fmt: skip
+        print(f"[pipespec_mpi] results in {self.run_dir}", flush=True)
+
+
+def format_benchmark(bench: dict) -> str:
+    lines = [
+        f"{'method':<10}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"
+    ]
+    for m, row in bench.items():
+        pp = row.get("speedup_per_prompt", {})
+        lines.append(
+            f"{m:<10}{row['ms_per_token']:>10.2f}{row['tokens_per_s']:>10.1f}{row.get('speedup', float('nan')):>9.2f}"
+            f"{pp.get('median', float('nan')):>8.2f}{pp.get('min', float('nan')):>7.2f}{pp.get('max', float('nan')):>7.2f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The algorithm: pure acceptance math, pure buffer bookkeeping, and the stage loop."""

@@ -1,0 +1,60 @@
+"""Greedy verification as pure tensor functions (no communication, testable on CPU).
+
+Terms, used the same way everywhere in the package:
+  proposal   draft tokens a stage receives from its upstream, positions L .. L+n-1
+  accepted   the longest prefix of the proposal equal to the verifier's own argmax
+  recovered  the verifier's argmax at the first mismatch (the correction)
+  bonus      the verifier's argmax after a fully accepted proposal
+Either the recovered or the bonus token is appended, so a verification of n tokens commits
+between 1 and n+1 tokens, and the committed tokens are exactly the verifier's own greedy choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_proposed: int
+    n_accepted: int
+    next_token: int  # recovered (n_accepted < n_proposed) or bonus (all accepted)
+
+    @property
+    def rejected(self) -> bool:
+        return self.n_accepted < self.n_proposed
+
+    def committed(self, proposal: list[int]) -> list[int]:
+        return [*proposal[: self.n_accepted], self.next_token]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] -> argmax ids [n] (ties resolve to the lowest id, deterministically)."""
+    return torch.argmax(logits, dim=-1)
+
+
+def count_accepted(proposal: torch.Tensor, target: torch.Tensor) -> int:
+    """Length of the longest prefix where proposal [n] equals target [n+1][:n]."""
+    n = proposal.shape[0]
+    if n == 0:
+        return 0
+    mismatch = (proposal != target[:n]).nonzero()
+    return int(mismatch[0, 0]) if mismatch.numel() else n
+
+
+def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:
+    """Verify ``proposal`` (n ids) against the verifier's logits [n+1, V].
+
+    logits[j] is the verifier's distribution for position L+j given the committed prefix and
+    proposal[:j]; so proposal[j] is accepted iff it equals argmax(logits[j]) and all before it were.
+    """
+    n = len(proposal)
+    if logits.shape[0] != n + 1:
+        raise ValueError(
+            f"need n+1={n + 1} rows of logits for {n} proposed tokens, got {logits.shape[0]}"
+        )
+    target = greedy_tokens(logits)  # [n+1]
+    m = count_accepted(torch.as_tensor(proposal, dtype=target.dtype), target)
+    return Verdict(n_proposed=n, n_accepted=m, next_token=int(target[m]))
