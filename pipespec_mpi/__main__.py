@@ -46,8 +46,8 @@ def app(cfg: DictConfig) -> None:
 
         Runner(typed, run_dir, world).run()
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
-        from pipespec_mpi.topology import TopologyError
         from pipespec_mpi.config import ConfigError
+        from pipespec_mpi.topology import TopologyError
 
         if isinstance(exc, (ConfigError, TopologyError)):
             # Every rank found the same problem before any heavy work: print it once and exit.

@@ -22,6 +22,7 @@ from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import load_prompts, shard
+from pipespec_mpi.faults import maybe_fail
 from pipespec_mpi.spec.stage import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for, place
 
@@ -261,34 +262,36 @@ class Runner:
     def run(self) -> None:
         self._load()
         self._connect()
-        try:
-            done = self.comm.bcast(self._done_jobs() if self.world.rank == 0 else None, root=0)
-            jobs = plan_jobs(self.cfg, self.prompts, self.pl, done)
-            if self.pl.is_last:
-                self.part_path(self.pl.replica).parent.mkdir(parents=True, exist_ok=True)
-                part = open(self.part_path(self.pl.replica), "a", encoding="utf-8")
-            bar = self._progress(len(jobs))
-            for job in jobs:
-                rec = self._run_job(job)
-                if rec is not None:
-                    part.write(json.dumps(rec) + "\n")
-                    part.flush()
-                    os.fsync(part.fileno())
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(
-                            method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}"
-                        )
-            if self.pl.is_last:
-                part.close()
-            if bar is not None:
-                bar.close()
-            self._barrier(self.comm, "all replicas to finish")
-            if self.world.rank == 0:
-                self._finalize()
-            self._barrier(self.comm, "rank 0 to write the summary")
-        finally:
-            self._close()
+        done = self.comm.bcast(self._done_jobs() if self.world.rank == 0 else None, root=0)
+        jobs = plan_jobs(self.cfg, self.prompts, self.pl, done)
+        part = None
+        if self.pl.is_last:
+            self.part_path(self.pl.replica).parent.mkdir(parents=True, exist_ok=True)
+            part = open(self.part_path(self.pl.replica), "a", encoding="utf-8")  # noqa: SIM115
+        bar = self._progress(len(jobs))
+        for i, job in enumerate(jobs):
+            maybe_fail(self.world.rank, i)
+            rec = self._run_job(job)
+            if rec is not None:
+                part.write(json.dumps(rec) + "\n")
+                part.flush()
+                os.fsync(part.fileno())
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(
+                        method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}"
+                    )
+        if part is not None:
+            part.close()
+        if bar is not None:
+            bar.close()
+        self._barrier(self.comm, "all replicas to finish")
+        if self.world.rank == 0:
+            self._finalize()
+        self._barrier(self.comm, "rank 0 to write the summary")
+        # Graceful close only on success: after an error this rank aborts the job instead of
+        # waiting for peers that may never answer.
+        self._close()
 
     def _progress(self, total: int):
         if not (self.cfg.run.progress and self.pl.is_last and self.pl.replica == 0):

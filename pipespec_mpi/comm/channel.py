@@ -48,6 +48,11 @@ def decode(buf: np.ndarray) -> Proposal | None:
     return Proposal(int(buf[0]), int(buf[1]), int(buf[2]), buf[META : META + count].tolist())
 
 
+def _gloo_done(work) -> bool:
+    work.wait()
+    return True
+
+
 class _SendRing:
     """Preallocated send buffers; a buffer is reused only once its send completed."""
 
@@ -91,12 +96,15 @@ class Sender:
 
             self.device = device or torch.device("cpu")
             self.host = np.zeros(META + max_msg_tokens, dtype=np.int64)
+            # gloo reports a send complete only once it is waited on; the peer always keeps
+            # receives posted, so that wait is short (the data is handed to the socket).
+            test = (lambda r: r.is_completed()) if transport == "nccl" else _gloo_done
             self.ring = _SendRing(
                 depth,
                 META + max_msg_tokens,
                 lambda w: torch.zeros(w, dtype=torch.int64, device=self.device),
                 None,
-                lambda r: r.is_completed(),
+                test,
             )
         self.bytes_sent = 0
         self.messages = 0

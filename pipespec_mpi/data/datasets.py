@@ -91,7 +91,7 @@ def jsonl(path: str) -> list[PromptItem]:
 
 def synthetic(n: int, seed: int) -> list[PromptItem]:
     rng = random.Random(seed)
-    words = "the of model token draft verify stage pipeline cluster node rank cache epoch".split()
+    words = ["the", "of", "model", "token", "draft", "verify", "stage", "pipeline", "cluster", "node", "rank", "cache", "epoch"]
     return [
         PromptItem(f"synthetic/{i}", " ".join(rng.choice(words) for _ in range(12)))
         for i in range(n)

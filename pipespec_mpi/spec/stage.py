@@ -239,9 +239,7 @@ class StageLoop:
             else:
                 self.sent = max(self.sent, len(theirs)) if not a.discarded else len(theirs)
             if self.role.upstream is not None:
-                if a.discarded:
-                    self._bump_epoch()
-                elif not self.inbox.advance(self.out, old):
+                if a.discarded or not self.inbox.advance(self.out, old):
                     self._bump_epoch()
             self._publish()
         return False

@@ -1,0 +1,39 @@
+"""Fault injection for the failure tests (and for users checking their cluster's behaviour).
+
+``PIPESPEC_INJECT_FAULT=<kind>@<rank>[:<job>]`` makes world rank <rank> fail before its job
+number <job> (default 1, counting from 0): ``raise`` raises an exception, ``kill`` sends itself
+SIGKILL, ``hang`` stops answering (sleeps forever without touching MPI). Unset: no effect.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def parse(spec: str) -> tuple[str, int, int]:
+    kind, _, where = spec.partition("@")
+    rank, _, job = where.partition(":")
+    if kind not in ("raise", "kill", "hang") or not rank.isdigit() or (job and not job.isdigit()):
+        raise ValueError(f"PIPESPEC_INJECT_FAULT={spec!r}: expected raise|kill|hang@RANK[:JOB]")
+    return kind, int(rank), int(job or 1)
+
+
+def maybe_fail(rank: int, job_index: int) -> None:
+    spec = os.environ.get("PIPESPEC_INJECT_FAULT")
+    if not spec:
+        return
+    kind, at_rank, at_job = parse(spec)
+    if rank != at_rank or job_index != at_job:
+        return
+    if kind == "raise":
+        raise InjectedFault(f"injected failure on rank {rank} before job {job_index}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # hang: stop answering
+        time.sleep(3600)

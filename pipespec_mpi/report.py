@@ -1,0 +1,459 @@
+"""Compare runs: one table across run directories (like the paper's Table 2) plus PNG plots.
+
+    python -m pipespec_mpi.report RUN_DIR [RUN_DIR ...] [--json | --markdown] [--no-plots]
+
+A RUN_DIR holds ``results.jsonl`` (one record per prompt and method); a Hydra multirun directory
+(numbered subfolders that are run dirs) stands for all its runs. One table row per (run, method):
+ms/token and tokens/s over the non-warm-up records, speedup over the AR decoding of the same
+target model (from the same run dir when it has one, else pooled from the other run dirs given,
+marked ``*``), and mean accepted tokens per verification for every adjacent stage pair.
+
+Plots (``pipespec_mpi.plots``), written next to the data:
+  in each run dir     accepted_hist.png (paper Fig. 3), timeline.png (Figs. 2/5),
+                      busy_fraction.png
+  cross-run (the multirun dir, else the run dirs' common parent, or ``--out``):
+                      busy_fraction.png, and speedup_vs_lookahead.png when the runs sweep
+                      ``lookahead`` (paper Fig. 4)
+
+All numbers come from ``pipespec_mpi.metrics`` (``summarize``, ``benchmark_table``); this module
+only groups records, picks the AR reference and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipespec_mpi import metrics
+
+METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
+RESULTS = "results.jsonl"
+
+
+class ReportError(ValueError):
+    """A path given on the command line holds no run."""
+
+
+@dataclass
+class Run:
+    """One run directory: its records (warm-up included) and what Hydra saved about it."""
+
+    path: Path
+    records: list[dict]
+    config: dict = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    multirun: Path | None = None  # the multirun dir this run was found in
+    label: str = ""
+
+    @property
+    def measured(self) -> list[dict]:
+        return [r for r in self.records if not r.get("warmup")]
+
+
+# --------------------------------------------------------------------------------------------
+# finding and loading runs
+
+
+def _yaml(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of ``results.jsonl``; a line cut short (a killed job) is skipped."""
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"[report] {path}: skipping a malformed line", file=sys.stderr)
+    return out
+
+
+def load_run(path: Path, multirun: Path | None = None) -> Run:
+    path = Path(path)
+    config = _yaml(path / ".hydra" / "config.yaml")
+    overrides = _yaml(path / ".hydra" / "overrides.yaml")
+    return Run(
+        path=path,
+        records=read_records(path / RESULTS),
+        config=config if isinstance(config, dict) else {},
+        overrides=[str(o) for o in overrides] if isinstance(overrides, list) else [],
+        multirun=multirun,
+    )
+
+
+def _subdir_key(p: Path) -> tuple:
+    return (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name)
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Run]:
+    """Run dirs named by ``paths``: a run dir itself, or a multirun dir's numbered subfolders."""
+    runs: list[Run] = []
+    for p in map(Path, paths):
+        if (p / RESULTS).is_file():
+            runs.append(load_run(p))
+            continue
+        if not p.is_dir():
+            raise ReportError(f"{p}: no such directory")
+        subs = sorted((d for d in p.iterdir() if d.is_dir()), key=_subdir_key)
+        found = [d for d in subs if (d / RESULTS).is_file()]
+        if not found:
+            raise ReportError(f"{p}: no {RESULTS} here or in its subfolders (is it a run dir?)")
+        for d in subs:
+            if d not in found and d.name.isdigit():
+                print(f"[report] {d}: no {RESULTS} (job failed or still running?)", file=sys.stderr)
+        runs.extend(load_run(d, multirun=p) for d in found)
+    _label(runs)
+    return runs
+
+
+def _label(runs: list[Run]) -> None:
+    """Short, unique labels: the shortest path tail that tells the runs apart (at least
+    ``<multirun>/<n>`` for a multirun job, whose bare number says little)."""
+    paths = [r.path.resolve() for r in runs]
+    for n in range(1, max(len(p.parts) for p in paths) + 1):
+        tails = [
+            "/".join(p.parts[-max(n, 2 if r.multirun else 1) :]).lstrip("/")
+            for r, p in zip(runs, paths, strict=True)
+        ]
+        if len(set(tails)) == len(tails):
+            break
+    for r, t in zip(runs, tails, strict=True):
+        r.label = t
+
+
+def cross_run_dir(runs: Sequence[Run], out: str | Path | None = None) -> Path | None:
+    """Where cross-run plots go: ``out``; else the multirun dir given (if exactly one); else
+    the runs' common parent folder; ``None`` for a single run or runs with no common folder."""
+    if out is not None:
+        return Path(out)
+    if len(runs) < 2:
+        return None
+    multiruns = {r.multirun.resolve() for r in runs if r.multirun is not None}
+    if len(multiruns) == 1:
+        return multiruns.pop()
+    common = Path(os.path.commonpath([r.path.resolve() for r in runs]))
+    return None if common == Path(common.anchor) else common
+
+
+# --------------------------------------------------------------------------------------------
+# the table
+
+
+def method_key(m: str) -> tuple:
+    return (METHOD_ORDER.get(m, len(METHOD_ORDER)), m)
+
+
+def target_of(records: Sequence[dict]) -> str:
+    return records[0]["models"][-1]
+
+
+def ar_reference(run: Run, runs: Sequence[Run], target: str) -> tuple[list[dict], list[Run]]:
+    """AR records of ``target`` for speedups: the run's own, else those of the other runs
+    (preferring runs over the same prompts and token budget), pooled."""
+    own = [r for r in run.measured if r["method"] == "ar" and r["models"][-1] == target]
+    if own:
+        return own, [run]
+    cands = []
+    for other in runs:
+        if other is run:
+            continue
+        recs = [r for r in other.measured if r["method"] == "ar" and r["models"][-1] == target]
+        if recs:
+            cands.append((other, recs))
+    if not cands:
+        return [], []
+
+    def same_workload(recs: list[dict]) -> bool:
+        mine = run.measured
+        return {r["prompt_id"] for r in recs} == {r["prompt_id"] for r in mine} and {
+            r["max_new_tokens"] for r in recs
+        } == {r["max_new_tokens"] for r in mine}
+
+    best = [(o, recs) for o, recs in cands if same_workload(recs)] or cands
+    return [r for _, recs in best for r in recs], [o for o, _ in best]
+
+
+def table_rows(runs: Sequence[Run]) -> list[dict]:
+    """One row per (run, method), sorted by target model, method, models and lookahead."""
+    rows = []
+    for i, run in enumerate(runs):
+        recs = run.measured
+        if not recs:
+            print(f"[report] {run.path}: no measured (non-warm-up) records", file=sys.stderr)
+            continue
+        summary = metrics.summarize(recs)
+        for m in sorted(summary, key=method_key):
+            mine = [r for r in recs if r["method"] == m]
+            target = target_of(mine)
+            if m == "ar":
+                ref, ref_runs = mine, [run]
+            else:
+                ref, ref_runs = ar_reference(run, runs, target)
+            # benchmark_table pairs the method with AR (aggregate and per-prompt ratios)
+            bench = metrics.benchmark_table(mine if m == "ar" else mine + ref, [m])[m]
+            s = summary[m]
+            first = mine[0]
+            acc = s["acceptance"]
+            rows.append({
+                "run": run.label,
+                "run_dir": str(run.path),
+                "run_index": i,
+                "method": m,
+                "hierarchy": first.get("hierarchy"),
+                "models": [target] if m == "ar" else list(first["models"]),
+                "stage_models": list(first["models"]),
+                "target": target,
+                "lookahead": None if m == "ar" else first.get("lookahead"),
+                "max_new_tokens": first.get("max_new_tokens"),
+                "transport": first.get("transport"),
+                "dataset": (run.config.get("dataset") or {}).get("name"),
+                "overrides": run.overrides,
+                "n_prompts": s["n_prompts"],
+                "n_tokens": s["n_tokens"],
+                "wall_s": s["wall_s"],
+                "ms_per_token": s["ms_per_token"],
+                "tokens_per_s": s["tokens_per_s"],
+                "speedup": bench.get("speedup"),
+                "speedup_ref": (
+                    None if not ref_runs
+                    else "same run" if ref_runs == [run]
+                    else [o.label for o in ref_runs]
+                ),
+                "speedup_per_prompt": bench.get("speedup_per_prompt"),
+                "mean_accepted_per_verification": {
+                    k: (v["mean_accepted"] if v["verifications"] else None) for k, v in acc.items()
+                },
+                "verifications": {k: v["verifications"] for k, v in acc.items()},
+                "acceptance_rate": {
+                    k: (v["acceptance_rate"] if v["proposed"] else None) for k, v in acc.items()
+                },
+                "busy_fraction": [st["busy_fraction"] for st in s["stages"]],
+                "ttft_s_mean": s["ttft_s_mean"],
+                "token_latency_ms": s["token_latency_ms"],
+            })  # fmt: skip
+    rows.sort(
+        key=lambda r: (
+            r["target"],
+            method_key(r["method"]),
+            len(r["models"]),
+            r["models"],
+            -1 if r["lookahead"] is None else r["lookahead"],
+            r["run_index"],
+        )
+    )
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _cells(row: dict) -> list[str]:
+    acc = row["mean_accepted_per_verification"]
+    speed = _fmt(row["speedup"], ".2f")
+    if row["speedup"] is not None and row["speedup_ref"] != "same run":
+        speed += "*"
+    return [
+        row["run"],
+        row["method"],
+        " > ".join(row["models"]),
+        _fmt(row["lookahead"], "d"),
+        str(row["n_prompts"]),
+        str(row["n_tokens"]),
+        f"{row['ms_per_token']:.2f}",
+        f"{row['tokens_per_s']:.1f}",
+        speed,
+        ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in acc.items())
+        if row["method"] != "ar"
+        else "-",
+    ]
+
+
+HEADER = ["run", "method", "models", "lookahead", "prompts", "tokens", "ms/token", "tokens/s",
+          "speedup", "accepted/verification"]  # fmt: skip
+RIGHT = {3, 4, 5, 6, 7, 8}
+
+
+def _footnotes(rows: Sequence[dict]) -> list[str]:
+    notes = ["speedup: AR ms/token of the same target model / the row's ms/token"]
+    if any(r["speedup"] is not None and r["speedup_ref"] != "same run" for r in rows):
+        notes.append("* AR reference taken from other run dirs: see --json speedup_ref")
+    if any(r["speedup"] is None for r in rows):
+        notes.append("- no AR run of that target model among the runs given")
+    notes.append("accepted/verification: mean draft tokens accepted per verification, per pair")
+    return notes
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    cells = [HEADER] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = []
+    for n, c in enumerate(cells):
+        lines.append(
+            "  ".join(
+                (v.rjust(w) if i in RIGHT else v.ljust(w))
+                for i, (v, w) in enumerate(zip(c, widths, strict=True))
+            ).rstrip()
+        )
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines + ["", *_footnotes(rows)])
+
+
+def format_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |"]
+    lines.append("|" + "|".join("---:" if i in RIGHT else "---" for i in range(len(HEADER))) + "|")
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows]
+    return "\n".join(lines + [""] + [f"{n}  " for n in _footnotes(rows)])
+
+
+def format_runs(runs: Sequence[Run]) -> str:
+    lines = ["runs:"]
+    for r in runs:
+        ov = " ".join(r.overrides)
+        lines.append(f"  {r.label}: {r.path}" + (f"  [{ov}]" if ov else ""))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# data for the plots
+
+
+def lookahead_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """Rows of each (method, models) that ran at two or more lookaheads, keyed by a label."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["method"] != "ar" and r["lookahead"] is not None:
+            groups.setdefault((r["method"], tuple(r["models"])), []).append(r)
+    return {
+        f"{m} ({' > '.join(models)})": sorted(rs, key=lambda r: (r["lookahead"], r["run_index"]))
+        for (m, models), rs in groups.items()
+        if len({r["lookahead"] for r in rs}) >= 2
+    }
+
+
+def ar_ms_per_token(runs: Sequence[Run]) -> dict[str, float]:
+    """Pooled AR ms/token per target model over all the runs."""
+    by_target: dict[str, list[dict]] = {}
+    for run in runs:
+        for r in run.measured:
+            if r["method"] == "ar":
+                by_target.setdefault(r["models"][-1], []).append(r)
+    return {t: metrics.summarize(rs)["ar"]["ms_per_token"] for t, rs in by_target.items()}
+
+
+def timeline_records(run: Run, prompt_id: str | None = None) -> dict[str, dict]:
+    """One record per method for one prompt: ``prompt_id``, else the first measured prompt
+    that every method of the run decoded (warm-up records only if nothing else)."""
+    pool = run.measured or run.records
+    methods = sorted({r["method"] for r in pool}, key=method_key)
+    if prompt_id is None:
+        done: dict[str, set[str]] = {}
+        for r in pool:
+            done.setdefault(r["prompt_id"], set()).add(r["method"])
+        full = [p for p, ms in done.items() if len(ms) == len(methods)]
+        prompt_id = full[0] if full else pool[0]["prompt_id"] if pool else None
+    out: dict[str, dict] = {}
+    for r in pool:
+        if r["prompt_id"] == prompt_id and r["method"] not in out:
+            out[r["method"]] = r
+    return {m: out[m] for m in methods if m in out}
+
+
+def write_plots(
+    runs: Sequence[Run],
+    rows: Sequence[dict],
+    out: str | Path | None = None,
+    prompt_id: str | None = None,
+) -> list[Path]:
+    """Every plot for these runs; returns the paths written."""
+    from pipespec_mpi import plots
+
+    written: list[Path | None] = []
+    for i, run in enumerate(runs):
+        recs = run.measured
+        if not recs:
+            continue
+        summary = metrics.summarize(recs)
+        mine = [r for r in rows if r["run_index"] == i]
+        acc = {m: s["acceptance"] for m, s in summary.items() if m != "ar"}
+        written.append(
+            plots.accepted_histogram(acc, mine, f"run {run.label}", run.path / "accepted_hist.png")
+        )
+        tl = timeline_records(run, prompt_id)
+        if tl:
+            written.append(plots.timeline(tl, f"run {run.label}", run.path / "timeline.png"))
+        written.append(
+            plots.busy_fraction(mine, f"run {run.label}", run.path / "busy_fraction.png")
+        )
+    cross = cross_run_dir(runs, out)
+    if cross is None and len(runs) > 1:
+        print("[report] cross-run plots skipped: the runs share no folder; use --out DIR",
+              file=sys.stderr)  # fmt: skip
+    if cross is not None:
+        cross.mkdir(parents=True, exist_ok=True)
+        written.append(plots.busy_fraction(rows, "all runs", cross / "busy_fraction.png"))
+        sweeps = lookahead_sweeps(rows)
+        if sweeps:
+            written.append(
+                plots.speedup_vs_lookahead(
+                    sweeps, ar_ms_per_token(runs), cross / "speedup_vs_lookahead.png"
+                )
+            )
+    return [p for p in written if p is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipespec_mpi.report",
+        description="Compare PipeSpec runs: one table across run dirs, and PNG plots.",
+    )
+    ap.add_argument("run_dirs", nargs="+", help="run dirs, or Hydra multirun dirs")
+    fmt = ap.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print the table rows as JSON")
+    fmt.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    ap.add_argument("--out", help="folder for cross-run plots (default: the multirun dir)")
+    ap.add_argument("--prompt", help="prompt id for timeline.png (default: the first one)")
+    args = ap.parse_args(argv)
+    try:
+        runs = find_runs(args.run_dirs)
+    except (ReportError, OSError, json.JSONDecodeError) as err:
+        print(f"[report] {err}", file=sys.stderr)
+        return 2
+    rows = table_rows(runs)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(format_markdown(rows))
+    else:
+        print(format_table(rows))
+        print()
+        print(format_runs(runs))
+    if not args.no_plots:
+        for p in write_plots(runs, rows, args.out, args.prompt):
+            print(f"[report] wrote {p}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

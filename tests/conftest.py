@@ -1,0 +1,47 @@
+"""Shared helpers: launch the real app under the venv's mpirun, with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIRUN = Path(sys.executable).parent / "mpirun"
+
+
+def launch(
+    n: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``mpirun -n N python -m pipespec_mpi OVERRIDES hydra.run.dir=RUN_DIR``."""
+    cmd = [str(MPIRUN), "-n", str(n), sys.executable, "-m", "pipespec_mpi", *overrides,
+           "run.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    full_env = {**os.environ, **(env or {})}
+    try:
+        return subprocess.run(
+            cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"mpirun timed out after {timeout} s: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
+
+
+def launch_ok(n: int, overrides: list[str], run_dir: Path, timeout: float = 240, env=None) -> list[dict]:
+    proc = launch(n, overrides, run_dir, timeout, env)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return read_results(run_dir)
+
+
+def read_results(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "results.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def outputs_by_method(records: list[dict]) -> dict[str, dict[tuple, list[int]]]:
+    out: dict[str, dict[tuple, list[int]]] = {}
+    for r in records:
+        out.setdefault(r["method"], {})[(r["prompt_id"], r["warmup"])] = r["output_ids"]
+    return out

@@ -1,0 +1,48 @@
+import pytest
+
+from pipespec_mpi.metrics import acceptance, benchmark_table, percentile, summarize, token_latencies
+
+
+def test_acceptance_on_a_known_trace():
+    a = acceptance([[3, 3], [3, 1], [2, 0], [1, 1]])
+    assert a["verifications"] == 4 and a["accepted"] == 5 and a["proposed"] == 9
+    assert a["mean_acceptance_length"] == pytest.approx(1 + 5 / 4)
+    # position 0 accepted in 3 of 4; position 1 in 1 of 3; position 2 in 1 of 2
+    assert a["per_position_acceptance"] == pytest.approx([3 / 4, 1 / 3, 1 / 2])
+    assert a["accepted_histogram"] == [1, 2, 0, 1]
+
+
+def test_empty_trace():
+    a = acceptance([])
+    assert a["verifications"] == 0 and a["mean_acceptance_length"] == 0.0
+
+
+def test_token_latencies_spread_commits():
+    assert token_latencies([[0.1, 1], [0.4, 4]]) == pytest.approx([0.1, 0.1, 0.1, 0.1])
+
+
+def test_percentile():
+    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+
+
+def _rec(method, pid, n, wall, trace=()):
+    st = {"model": "m", "forward_calls": 1, "rollbacks": 0, "tokens_discarded": 0,
+          "discarded_s": 0.0, "busy_s": wall / 2, "prefill_s": 0.0, "verify_trace": [],
+          "commit_times": [[wall, n]]}  # fmt: skip
+    return {"method": method, "prompt_id": pid, "replica": 0, "warmup": False, "n_new_tokens": n,
+            "wall_s": wall, "ms_per_token": 1000 * wall / n, "ttft_s": 0.01,
+            "stages": [dict(st), {**st, "verify_trace": list(trace)}]}  # fmt: skip
+
+
+def test_summary_and_benchmark_speedups():
+    recs = [_rec("ar", "a", 10, 1.0), _rec("ar", "b", 10, 1.0),
+            _rec("pipespec", "a", 10, 0.5, [[2, 1]]), _rec("pipespec", "b", 10, 0.25, [[2, 2]])]  # fmt: skip
+    s = summarize(recs)
+    assert s["ar"]["ms_per_token"] == pytest.approx(100.0)
+    assert s["pipespec"]["ms_per_token"] == pytest.approx(37.5)
+    assert s["pipespec"]["mean_accepted_per_verification"]["0->1"] == pytest.approx(1.5)
+    b = benchmark_table(recs, ["ar", "pipespec"])
+    assert b["pipespec"]["speedup"] == pytest.approx(100 / 37.5)
+    assert b["pipespec"]["speedup_per_prompt"]["median"] == pytest.approx(3.0)
+    assert b["pipespec"]["speedup_per_prompt"]["min"] == pytest.approx(2.0)
+    assert b["pipespec"]["speedup_per_prompt"]["max"] == pytest.approx(4.0)
