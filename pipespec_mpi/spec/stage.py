@@ -296,8 +296,10 @@ class StageLoop:
             hit = self._lookup(room)
             self.idle = not hit
             return hit
-        # a verifier: verify at most room-1 tokens so the correction/bonus still fits
-        limit = min(self.cfg.max_verify, room - 1)
+        # A verifier commits up to n+1 tokens for n verified. The last stage keeps that within
+        # max_new_tokens; other stages may overshoot their bound/demand by the bonus token.
+        budget = room if self.role.is_last else self.cfg.max_new_tokens - len(self.out)
+        limit = min(self.cfg.max_verify, budget - 1)
         pending = len(self.inbox.tokens)
         if method == "sd":
             window = min(self.cfg.lookahead, limit)
@@ -341,18 +343,23 @@ class StageLoop:
         self.inbox = Inbox()
         self._wait = self._wait_fn()
         self.t_start = time.perf_counter()
+        if method == "ar" and not self.role.is_last:  # AR: the last model alone; others idle
+            self._publish(done=True)
+            return StageOutcome(tokens=[], finish_reason="idle", stats=self.stats)
         self.model.prefill(self.prompt)
         t1 = time.perf_counter()
         self.stats.prefill_s = t1 - self.t_start
         self._event(self.t_start, t1, "prefill", len(self.prompt))
-        finish = self._loop(method) if (method != "ar" or self.role.is_last) else "idle"
+        finish = self._loop(method)
+        if self._wait_t0 is not None:
+            self._close_wait(self._wait_t0, time.perf_counter())
         self._publish(done=True)
         return StageOutcome(tokens=list(self.out), finish_reason=finish, stats=self.stats)
 
     def _loop(self, method: str) -> str:
         backoff = Backoff()
         last_progress = time.monotonic()
-        wait_t0: float | None = None
+        self._wait_t0: float | None = None
         while True:
             if self.role.downstream is not None and self._sync_downstream():
                 return "done"
@@ -361,20 +368,21 @@ class StageLoop:
             if self.role.is_last and self._capped:
                 return "eos" if self.out and self.out[-1] == self.eos else "length"
             want, idle = self.want, self.idle
+            t_act = time.perf_counter()
             acted = self._act(method)
             if acted:
+                if self._wait_t0 is not None:
+                    self._close_wait(self._wait_t0, t_act)
+                    self._wait_t0 = None
                 self._publish()
                 self._send_new()
-                if wait_t0 is not None:
-                    self._close_wait(wait_t0)
-                    wait_t0 = None
                 backoff.reset()
                 last_progress = time.monotonic()
                 continue
             if (want, idle) != (self.want, self.idle):
                 self._publish()
-            if wait_t0 is None:
-                wait_t0 = time.perf_counter()
+            if self._wait_t0 is None:
+                self._wait_t0 = time.perf_counter()
             if time.monotonic() - last_progress > self.stall_timeout_s:
                 raise StallError(
                     f"stage {self.role.stage} (rank {self.role.rank}) made no progress for "
@@ -383,7 +391,6 @@ class StageLoop:
                 )
             backoff.sleep()
 
-    def _close_wait(self, t0: float) -> None:
-        t1 = time.perf_counter()
+    def _close_wait(self, t0: float, t1: float) -> None:
         self.stats.wait_s += t1 - t0
         self._event(t0, t1, "wait", 0)

@@ -188,6 +188,7 @@ def _is_png(path: Path) -> bool:
 
 
 def test_main_writes_table_json_and_pngs(sweep: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
     assert report.main([str(sweep)]) == 0
     out = capsys.readouterr()
     assert "ms/token" in out.out and "12-00-00/1: " in out.out and "[lookahead=2]" in out.out
@@ -204,6 +205,7 @@ def test_main_writes_table_json_and_pngs(sweep: Path, capsys) -> None:
 
 
 def test_ar_only_run_has_no_histogram(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     d = write_run(tmp_path / "ar", [rec("ar", "p0", 1.0, 10)])
     assert report.main(["--no-plots", str(d)]) == 0
     assert report.main([str(d)]) == 0
@@ -231,6 +233,7 @@ def _mpirun(args: list[str], timeout: float = 150) -> None:
 
 @pytest.mark.mpi
 def test_report_on_a_real_benchmark_run(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
     run_dir = tmp_path / "bench"
     _mpirun(["mode=benchmark", "lookahead=2", "n_prompts=1", "max_new_tokens=16",
              f"hydra.run.dir={run_dir}"])  # fmt: skip
@@ -250,6 +253,7 @@ def test_report_on_a_real_benchmark_run(tmp_path: Path, capsys) -> None:
 
 @pytest.mark.mpi
 def test_report_on_a_real_multirun_sweep(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
     multi = tmp_path / "multirun"
     _mpirun(["-m", "method=ar,pipespec", "lookahead=1,2", "n_prompts=1", "max_new_tokens=16",
              f"hydra.sweep.dir={multi}"], timeout=200)  # fmt: skip
