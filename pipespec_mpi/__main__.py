@@ -39,26 +39,39 @@ def app(cfg: DictConfig) -> None:
         typed = load_config(OmegaConf.to_container(cfg, resolve=True))
         check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        logging.getLogger("pipespec_mpi").setLevel(
-            logging.INFO if world.rank == 0 else logging.WARNING
-        )
+        logging.getLogger("pipespec_mpi").setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
         from pipespec_mpi.runner import Runner
 
         Runner(typed, run_dir, world).run()
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
-        from pipespec_mpi.config import ConfigError
-        from pipespec_mpi.topology import TopologyError
+        from pipespec_mpi.errors import UserError
 
-        if isinstance(exc, (ConfigError, TopologyError)):
-            # Every rank found the same problem before any heavy work: print it once and exit.
-            if world.rank == 0:
-                sys.stderr.write(f"[pipespec_mpi] {exc}\n")
-            sys.stderr.flush()
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Barrier()
-            os._exit(2)
+        if isinstance(exc, UserError):
+            user_error(exc, world)
         abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
+
+
+def user_error(exc: BaseException, world) -> None:
+    """Bad input: one message, no traceback, exit code 2 for the whole job.
+
+    Config and world-size problems are found by every rank alike (rank 0 prints them and all
+    exit together); others (a missing model, a bad dataset) only on some ranks, which then
+    abort the job with their message.
+    """
+    from mpi4py import MPI
+
+    from pipespec_mpi.config import ConfigError
+    from pipespec_mpi.topology import TopologyError
+
+    if isinstance(exc, (ConfigError, TopologyError)):
+        if world.rank == 0:
+            sys.stderr.write(f"[pipespec_mpi] error: {exc}\n")
+            sys.stderr.flush()
+        MPI.COMM_WORLD.Barrier()
+        os._exit(2)
+    sys.stderr.write(f"[pipespec_mpi] error on rank {world.rank}: {exc}\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(2)
 
 
 def main() -> None:

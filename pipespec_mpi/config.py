@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipespec_mpi.errors import UserError
+
 METHODS = ("ar", "sd", "pipespec")
 MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
@@ -22,7 +24,7 @@ TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
 DATASETS = ("humaneval", "news", "jsonl", "synthetic", "hub")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """Raised once, with every problem found, before any heavy work starts."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -169,9 +171,7 @@ def _build(cls: type, node: Mapping[str, Any] | None, where: str, problems: list
     missing = [
         n
         for n, f in names.items()
-        if n not in node
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
+        if n not in node and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     for n in missing:
         problems.append(f"{where}.{n}: required")
@@ -300,12 +300,8 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
     elif _int(d.lookahead) and d.max_verify < d.lookahead:
         p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead}")
-    if not _int(d.max_run_ahead) or d.max_run_ahead < max(
-        1, d.lookahead if _int(d.lookahead) else 1
-    ):
-        p.append(
-            f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead})"
-        )
+    if not _int(d.max_run_ahead) or d.max_run_ahead < max(1, d.lookahead if _int(d.lookahead) else 1):
+        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead})")
     if cfg.method.name == "sd" and d.lookahead == 0:
         p.append("lookahead=0 with method=sd: synchronous SD verifies a fixed window; use >= 1")
     if cfg.run.mode == "benchmark" and "sd" in cfg.run.methods and d.lookahead == 0:

@@ -117,17 +117,12 @@ def benchmark_table(records: Iterable[dict], methods: Sequence[str]) -> dict:
     for m in methods:
         if m not in summary:
             continue
-        row = {
-            k: summary[m][k]
-            for k in ("n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s")
-        }
+        row = {k: summary[m][k] for k in ("n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s")}
         row["mean_accepted_per_verification"] = summary[m]["mean_accepted_per_verification"]
         row["busy_fraction"] = [s["busy_fraction"] for s in summary[m]["stages"]]
         if "ar" in summary:
             row["speedup"] = summary["ar"]["ms_per_token"] / summary[m]["ms_per_token"]
-            ratios = [
-                p["ar"] / p[m] for p in per_prompt.values() if "ar" in p and m in p and p[m] > 0
-            ]
+            ratios = [p["ar"] / p[m] for p in per_prompt.values() if "ar" in p and m in p and p[m] > 0]
             if ratios:
                 row["speedup_per_prompt"] = {
                     "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),

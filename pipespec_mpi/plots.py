@@ -48,11 +48,7 @@ def _method_label(row: Mapping | None, method: str) -> str:
 
 
 def _row_label(row: Mapping, with_run: bool) -> str:
-    out = (
-        row["method"]
-        if row["lookahead"] is None
-        else f"{row['method']}\nlookahead {row['lookahead']}"
-    )
+    out = row["method"] if row["lookahead"] is None else f"{row['method']}\nlookahead {row['lookahead']}"
     return f"{out}\nrun {row['run']}" if with_run else out
 
 
@@ -68,9 +64,7 @@ def accepted_histogram(
 ) -> Path | None:
     """Share of verifications that accepted 0, 1, 2, ... draft tokens: one panel per stage pair,
     one bar per method. ``acceptance``: method -> pair -> ``metrics.acceptance`` dict."""
-    methods = [
-        m for m, pairs in acceptance.items() if any(a["verifications"] for a in pairs.values())
-    ]
+    methods = [m for m, pairs in acceptance.items() if any(a["verifications"] for a in pairs.values())]
     if not methods:
         return None
     pairs = list(dict.fromkeys(p for m in methods for p in acceptance[m]))
@@ -80,9 +74,7 @@ def accepted_histogram(
     axes = fig.subplots(1, len(pairs), squeeze=False)[0]
     width = 0.8 / len(methods)
     for ax, pair in zip(axes, pairs, strict=True):
-        longest = max(
-            len(acceptance[m].get(pair, {}).get("accepted_histogram", [])) for m in methods
-        )
+        longest = max(len(acceptance[m].get(pair, {}).get("accepted_histogram", [])) for m in methods)
         for j, m in enumerate(methods):
             a = acceptance[m].get(pair)
             if not a or not a["verifications"]:
@@ -96,11 +88,7 @@ def accepted_histogram(
             )
             ax.bar(xs, ys, width=width, color=METHOD_COLORS.get(m), label=label)
         i, k = (int(s) for s in pair.split("->"))
-        names = (
-            f"\n{stage_models[i]} -> {stage_models[k]}"
-            if stage_models and k < len(stage_models)
-            else ""
-        )
+        names = f"\n{stage_models[i]} -> {stage_models[k]}" if stage_models and k < len(stage_models) else ""
         ax.set_title(f"stage pair {pair}{names}", fontsize=10)
         ax.set_xlabel("draft tokens accepted per verification (tokens)")
         ax.set_ylabel("share of verifications (%)")
@@ -129,9 +117,9 @@ def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | N
         return None
     n_stages = [len(r["stages"]) for r in records.values()]
     fig = Figure(figsize=(11.0, 1.3 + sum(0.55 * n + 0.9 for n in n_stages)), layout="constrained")
-    axes = fig.subplots(
-        len(records), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": n_stages}
-    )[:, 0]
+    axes = fig.subplots(len(records), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": n_stages})[
+        :, 0
+    ]
     kinds_seen: set[str] = set()
     for ax, (method, rec) in zip(axes, records.items(), strict=True):
         stages = rec["stages"]
@@ -139,9 +127,7 @@ def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | N
             # waits first, compute on top (a wait may be logged up to the end of the next step)
             for kind in sorted({e[2] for e in st.get("timeline", [])}, key=lambda k: k != "wait"):
                 spans = [
-                    (1000 * e[0], max(1000 * (e[1] - e[0]), 0.0))
-                    for e in st["timeline"]
-                    if e[2] == kind
+                    (1000 * e[0], max(1000 * (e[1] - e[0]), 0.0)) for e in st["timeline"] if e[2] == kind
                 ]
                 ax.broken_barh(
                     spans, (s - 0.38, 0.76), facecolors=KIND_COLORS.get(kind, "#999999"),
@@ -169,13 +155,9 @@ def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | N
             fontsize=10, loc="left",
         )  # fmt: skip
     axes[-1].set_xlabel("time since the rank's prompt start (ms)")
-    handles = [
-        Patch(color=KIND_COLORS[k], label=KIND_LABELS[k]) for k in KIND_COLORS if k in kinds_seen
-    ]
+    handles = [Patch(color=KIND_COLORS[k], label=KIND_LABELS[k]) for k in KIND_COLORS if k in kinds_seen]
     handles.append(
-        Line2D(
-            [], [], marker="v", color="black", linestyle="", label="tokens committed (last stage)"
-        )
+        Line2D([], [], marker="v", color="black", linestyle="", label="tokens committed (last stage)")
     )
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
     prompt = next(iter(records.values()))["prompt_id"]
@@ -197,9 +179,7 @@ def busy_fraction(rows: Sequence[Mapping], title: str, path: Path) -> Path | Non
     names = {tuple(r["stage_models"]) for r in rows}
     same = len(names) == 1
     with_run = len({r["run"] for r in rows}) > 1
-    fig = Figure(
-        figsize=(max(6.5, 1.1 * len(rows) * max(n_st, 2) / 2 + 3), 4.8), layout="constrained"
-    )
+    fig = Figure(figsize=(max(6.5, 1.1 * len(rows) * max(n_st, 2) / 2 + 3), 4.8), layout="constrained")
     ax = fig.subplots()
     width = 0.8 / n_st
     top = 0.0
@@ -250,9 +230,7 @@ def speedup_vs_lookahead(
             if not pts:
                 continue
             xs = sorted({x for x, _ in pts})
-            means = [
-                sum(y for x, y in pts if x == v) / sum(1 for x, _ in pts if x == v) for v in xs
-            ]
+            means = [sum(y for x, y in pts if x == v) / sum(1 for x, _ in pts if x == v) for v in xs]
             ax.plot(xs, means, marker="o", color=color, label=label)
             if len(pts) > len(xs):
                 ax.scatter(

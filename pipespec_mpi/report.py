@@ -278,9 +278,7 @@ def _cells(row: dict) -> list[str]:
         f"{row['ms_per_token']:.2f}",
         f"{row['tokens_per_s']:.1f}",
         speed,
-        ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in acc.items())
-        if row["method"] != "ar"
-        else "-",
+        ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in acc.items()) if row["method"] != "ar" else "-",
     ]
 
 
@@ -398,9 +396,7 @@ def write_plots(
         tl = timeline_records(run, prompt_id)
         if tl:
             written.append(plots.timeline(tl, f"run {run.label}", run.path / "timeline.png"))
-        written.append(
-            plots.busy_fraction(mine, f"run {run.label}", run.path / "busy_fraction.png")
-        )
+        written.append(plots.busy_fraction(mine, f"run {run.label}", run.path / "busy_fraction.png"))
     cross = cross_run_dir(runs, out)
     if cross is None and len(runs) > 1:
         print("[report] cross-run plots skipped: the runs share no folder; use --out DIR",
@@ -411,9 +407,7 @@ def write_plots(
         sweeps = lookahead_sweeps(rows)
         if sweeps:
             written.append(
-                plots.speedup_vs_lookahead(
-                    sweeps, ar_ms_per_token(runs), cross / "speedup_vs_lookahead.png"
-                )
+                plots.speedup_vs_lookahead(sweeps, ar_ms_per_token(runs), cross / "speedup_vs_lookahead.png")
             )
     return [p for p in written if p is not None]
 

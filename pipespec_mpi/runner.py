@@ -22,11 +22,18 @@ from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import load_prompts, shard
+from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
 from pipespec_mpi.spec.stage import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for, place
 
 log = logging.getLogger("pipespec_mpi")
+
+
+class TokenizerMismatch(UserError):
+    pass
+
+
 STATS_TAG = 11
 
 
@@ -71,14 +78,10 @@ def tokenize_prompts(cfg: AppConfig, tokenizer) -> list[tuple[str, list[int], st
     return out
 
 
-def plan_jobs(
-    cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str]]
-) -> list[Job]:
+def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str]]) -> list[Job]:
     """This replica's jobs: its shard of the prompts, interleaving methods in benchmark mode."""
     methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method.name]
-    mine = shard(
-        shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas
-    )
+    mine = shard(shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas)
     jobs: list[Job] = []
     seq = 0
     if cfg.run.mode == "benchmark" and mine and cfg.run.warmup_prompts:
@@ -121,6 +124,7 @@ class Runner:
             init_torch_distributed(self.world, self.transport, cfg.transport.iface)
 
         self.tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+        self._check_tokenizers()
         prompts = None
         if self.world.rank == 0:
             prompts = tokenize_prompts(cfg, self.tokenizer)
@@ -128,16 +132,27 @@ class Runner:
 
         t0 = time.perf_counter()
         self.model = load_stage(cfg.hierarchy, pl.stage, self.cuda_devices)
-        log.info("stage %d (%s) loaded in %.1f s, %d threads, transport %s",
-                 pl.stage, stage_cfg.name, time.perf_counter() - t0, self.threads, self.transport)  # fmt: skip
+        log.info(
+            "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, self.threads, self.transport),
+        )
         self._check_vocab()
+
+    def _check_tokenizers(self) -> None:
+        """Every stage must use the hierarchy's token ids: compare tokenizer fingerprints."""
+        from pipespec_mpi.models.loader import stage_tokenizer, tokenizer_mismatches
+
+        st = stage_tokenizer(self.cfg.hierarchy, self.pl.stage)
+        mine = (self.pl.stage, self.cfg.hierarchy.stages[self.pl.stage].name,
+                st.fingerprint() if st is not None else None)  # fmt: skip
+        bad = tokenizer_mismatches(self.tokenizer.fingerprint(), self.comm.allgather(mine))
+        if bad:
+            raise TokenizerMismatch("stages do not share one tokenizer: " + "; ".join(bad))
 
     def _check_vocab(self) -> None:
         """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare."""
         vocab = getattr(self.model, "vocab_size", None)
-        got = self.comm.allgather(
-            (self.pl.stage, self.cfg.hierarchy.stages[self.pl.stage].name, vocab)
-        )
+        got = self.comm.allgather((self.pl.stage, self.cfg.hierarchy.stages[self.pl.stage].name, vocab))
         need = self.tokenizer.vocab_size
         bad = [
             f"stage {s} ({n}): model vocabulary {v} < tokenizer's {need}"
@@ -145,7 +160,7 @@ class Runner:
             if v is not None and v < need
         ]
         if bad:
-            raise RuntimeError("stages do not share the tokenizer: " + "; ".join(sorted(set(bad))))
+            raise TokenizerMismatch("model vocabularies too small: " + "; ".join(sorted(set(bad))))
 
     def _connect(self) -> None:
         cfg, pl = self.cfg, self.pl
@@ -198,10 +213,7 @@ class Runner:
         stats = [None] * pl.n_stages
         stats[leader] = outcome.stats.as_dict()
         for s in range(pl.n_stages - 1):
-            status = self.MPI.Status()
-            self._wait(
-                lambda s=s: rc.iprobe(source=s, tag=STATS_TAG, status=status), f"stats of stage {s}"
-            )
+            self._wait(lambda s=s: rc.iprobe(source=s, tag=STATS_TAG), f"stats of stage {s}")
             stats[s] = rc.recv(source=s, tag=STATS_TAG)
         n = len(outcome.tokens)
         commits = outcome.stats.commit_times
@@ -229,9 +241,7 @@ class Runner:
 
     def _run_job(self, job: Job) -> dict | None:
         self.loop.reset(job.seq)
-        self._barrier(
-            self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}"
-        )
+        self._barrier(self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}")
         t0 = time.perf_counter()
         outcome = self.loop.run(job.seq, job.prompt_ids, job.method)
         t_wall = time.perf_counter() - t0
@@ -278,9 +288,7 @@ class Runner:
                 os.fsync(part.fileno())
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(
-                        method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}"
-                    )
+                    bar.set_postfix(method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}")
         if part is not None:
             part.close()
         if bar is not None:
@@ -315,9 +323,7 @@ class Runner:
                 if line.strip():
                     records.append(json.loads(line))
         order = {pid: i for i, (pid, _, _) in enumerate(self.prompts)}
-        records.sort(
-            key=lambda r: (r.get("warmup") is not True, order.get(r["prompt_id"], 0), r["seq"])
-        )
+        records.sort(key=lambda r: (r.get("warmup") is not True, order.get(r["prompt_id"], 0), r["seq"]))
         with open(self.run_dir / "results.jsonl", "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
@@ -329,20 +335,23 @@ class Runner:
             print(format_benchmark(bench), flush=True)
         else:
             for m, s in summary.items():
-                print(f"[pipespec_mpi] {m}: {s['n_prompts']} prompts, {s['n_tokens']} tokens, "
-                      f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s, "
-                      f"accepted/verification {s['mean_accepted_per_verification']}", flush=True)  # fmt: skip
+                acc = {k: round(v, 2) for k, v in s["mean_accepted_per_verification"].items()}
+                print(
+                    f"[pipespec_mpi] {m}: {s['n_prompts']} prompts, {s['n_tokens']} tokens, "
+                    f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s, "
+                    f"accepted/verification {acc}",
+                    flush=True,
+                )
         print(f"[pipespec_mpi] results in {self.run_dir}", flush=True)
 
 
 def format_benchmark(bench: dict) -> str:
-    lines = [
-        f"{'method':<10}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"
-    ]
+    lines = [f"{'method':<10}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"]
+    nan = float("nan")
     for m, row in bench.items():
         pp = row.get("speedup_per_prompt", {})
         lines.append(
-            f"{m:<10}{row['ms_per_token']:>10.2f}{row['tokens_per_s']:>10.1f}{row.get('speedup', float('nan')):>9.2f}"
-            f"{pp.get('median', float('nan')):>8.2f}{pp.get('min', float('nan')):>7.2f}{pp.get('max', float('nan')):>7.2f}"
+            f"{m:<10}{row['ms_per_token']:>10.2f}{row['tokens_per_s']:>10.1f}{row.get('speedup', nan):>9.2f}"
+            f"{pp.get('median', nan):>8.2f}{pp.get('min', nan):>7.2f}{pp.get('max', nan):>7.2f}"
         )
     return "\n".join(lines)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipespec_mpi.errors import UserError
 
-class TopologyError(ValueError):
+
+class TopologyError(UserError, ValueError):
     pass
 
 

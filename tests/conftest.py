@@ -22,9 +22,7 @@ def launch(
            "run.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     full_env = {**os.environ, **(env or {})}
     try:
-        return subprocess.run(
-            cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"mpirun timed out after {timeout} s: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
 

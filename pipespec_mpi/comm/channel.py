@@ -77,9 +77,7 @@ class _SendRing:
 class Sender:
     """Downstream side of a channel (owned by the proposing stage)."""
 
-    def __init__(
-        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None
-    ):
+    def __init__(self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None):
         self.transport, self.peer, self.width = transport, peer, max_msg_tokens
         self.depth = depth
         if transport == "mpi":
@@ -151,9 +149,7 @@ class Sender:
 class Receiver:
     """Upstream side of a channel (owned by the verifying stage)."""
 
-    def __init__(
-        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None
-    ):
+    def __init__(self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None):
         self.transport, self.peer, self.depth = transport, peer, depth
         width = META + max_msg_tokens
         self.closed = 0
@@ -168,9 +164,7 @@ class Receiver:
 
             self.queue: queue.Queue = queue.Queue()
             self.bufs = [torch.zeros(width, dtype=torch.int64) for _ in range(depth)]
-            self.thread = threading.Thread(
-                target=self._gloo_loop, name=f"recv<-{peer}", daemon=True
-            )
+            self.thread = threading.Thread(target=self._gloo_loop, name=f"recv<-{peer}", daemon=True)
             self.error: BaseException | None = None
             self.thread.start()
         else:  # nccl
@@ -179,18 +173,14 @@ class Receiver:
 
             self.device = device
             self.bufs = [torch.zeros(width, dtype=torch.int64, device=device) for _ in range(depth)]
-            self.posted = deque(
-                (i, dist.irecv(self.bufs[i], src=peer, tag=TAG)) for i in range(depth)
-            )
+            self.posted = deque((i, dist.irecv(self.bufs[i], src=peer, tag=TAG)) for i in range(depth))
 
     def _gloo_loop(self) -> None:
         import torch.distributed as dist
 
         # depth receives posted ahead, completed in order by blocking waits on this thread
         try:
-            works = deque(
-                (i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)) for i in range(self.depth)
-            )
+            works = deque((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)) for i in range(self.depth))
             closes = 0
             while works:
                 i, w = works.popleft()
@@ -217,9 +207,7 @@ class Receiver:
                     break
                 if msg is None:
                     if self.error is not None:
-                        raise RuntimeError(
-                            f"gloo receive from rank {self.peer} failed"
-                        ) from self.error
+                        raise RuntimeError(f"gloo receive from rank {self.peer} failed") from self.error
                     self.closed += 1
                 else:
                     out.append(msg)
@@ -252,8 +240,6 @@ class Receiver:
 
     def close(self, wait) -> None:
         """Consume messages until the sender's close messages matched every posted receive."""
-        wait(
-            lambda: (self.poll() is not None) and self.closed >= self.depth, "the channel to close"
-        )
+        wait(lambda: (self.poll() is not None) and self.closed >= self.depth, "the channel to close")
         if self.transport == "gloo":
             self.thread.join(timeout=5)

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipespec_mpi.config import DatasetConfig
+from pipespec_mpi.errors import UserError
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     pass
 
 
@@ -51,8 +52,7 @@ def humaneval() -> list[PromptItem]:
 
 
 NEWS_TEMPLATE = (
-    "Summarize the following news article in two or three sentences.\n\n"
-    "Article: {article}\n\nSummary:"
+    "Summarize the following news article in two or three sentences.\n\nArticle: {article}\n\nSummary:"
 )
 
 
@@ -64,9 +64,7 @@ def news() -> list[PromptItem]:
         for i, line in enumerate(lines):
             if line.strip():
                 items.append(
-                    PromptItem(
-                        f"lee/{fname.split('.')[0]}/{i}", NEWS_TEMPLATE.format(article=line.strip())
-                    )
+                    PromptItem(f"lee/{fname.split('.')[0]}/{i}", NEWS_TEMPLATE.format(article=line.strip()))
                 )
     return items
 
@@ -91,11 +89,22 @@ def jsonl(path: str) -> list[PromptItem]:
 
 def synthetic(n: int, seed: int) -> list[PromptItem]:
     rng = random.Random(seed)
-    words = ["the", "of", "model", "token", "draft", "verify", "stage", "pipeline", "cluster", "node", "rank", "cache", "epoch"]
-    return [
-        PromptItem(f"synthetic/{i}", " ".join(rng.choice(words) for _ in range(12)))
-        for i in range(n)
+    words = [
+        "the",
+        "of",
+        "model",
+        "token",
+        "draft",
+        "verify",
+        "stage",
+        "pipeline",
+        "cluster",
+        "node",
+        "rank",
+        "cache",
+        "epoch",
     ]
+    return [PromptItem(f"synthetic/{i}", " ".join(rng.choice(words) for _ in range(12))) for i in range(n)]
 
 
 def hub(cfg: DatasetConfig) -> list[PromptItem]:
@@ -105,14 +114,10 @@ def hub(cfg: DatasetConfig) -> list[PromptItem]:
 
     name = cfg.hub_name or ""
     try:
-        ds = datasets.load_dataset(
-            *name.split(":"), split=cfg.split, download_mode="reuse_cache_if_exists"
-        )
+        ds = datasets.load_dataset(*name.split(":"), split=cfg.split, download_mode="reuse_cache_if_exists")
     except Exception as err:  # noqa: BLE001 - any failure here means "not available offline"
         raise DatasetError(f"hub dataset {name!r} is not available offline: {err}") from err
-    field = next(
-        (f for f in ("article", "document", "question", "prompt") if f in ds.column_names), None
-    )
+    field = next((f for f in ("article", "document", "question", "prompt") if f in ds.column_names), None)
     if field is None:
         raise DatasetError(f"hub dataset {name!r}: no article/document/question/prompt column")
     tmpl = NEWS_TEMPLATE if field in ("article", "document") else "{article}"

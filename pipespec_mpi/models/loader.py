@@ -100,9 +100,7 @@ def _load_torch_model(
     if stage.kind == "tiny":
         from pipespec_mpi.models.tiny import build_tiny
 
-        return build_tiny(hier.tiny, stage.layers, stage.noise, index, DTYPES[stage.dtype]).to(
-            device
-        )
+        return build_tiny(hier.tiny, stage.layers, stage.noise, index, DTYPES[stage.dtype]).to(device)
     if stage.kind == "hf":
         return _from_pretrained(stage, device, cuda_devices)
     if stage.kind == "gguf":
@@ -118,9 +116,7 @@ def _load_torch_model(
         assert stage.copy_of is not None
         src = _load_torch_model(hier, stage.copy_of, torch.device("cpu"), [])
         if device.type != "cpu":
-            raise ValueError(
-                f"stage {stage.name!r}: int8_copy (fbgemm dynamic int8) runs on CPU only"
-            )
+            raise ValueError(f"stage {stage.name!r}: int8_copy (fbgemm dynamic int8) runs on CPU only")
         return _int8_dynamic(src)
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no torch model")
 
@@ -153,3 +149,37 @@ def load_tokenizer(cfg: TokenizerConfig, hier_name: str) -> Tokenizer:
     except (OSError, ValueError) as err:
         raise _unavailable(f"tokenizer of {hier_name}", ident, err) from err
     return HFTokenizer(tok, cfg.eos_token_id)
+
+
+def stage_tokenizer(hier: HierarchyConfig, index: int) -> Tokenizer | None:
+    """The tokenizer that ships with stage ``index``'s weights (None for model-free stages)."""
+    stage = hier.stages[index]
+    if stage.kind == "prompt_lookup":
+        return None
+    if stage.kind == "int8_copy":
+        assert stage.copy_of is not None
+        return stage_tokenizer(hier, stage.copy_of)
+    if stage.kind == "tiny":
+        return ByteTokenizer(hier.tokenizer.eos_token_id)
+    if stage.kind == "smollm2":
+        cfg = TokenizerConfig(kind="smollm2", eos_token_id=hier.tokenizer.eos_token_id)
+    else:
+        cfg = TokenizerConfig(
+            kind="gguf" if stage.kind == "gguf" else "hf",
+            path=stage.model,
+            gguf_file=stage.gguf_file,
+            eos_token_id=hier.tokenizer.eos_token_id,
+        )
+    try:
+        return load_tokenizer(cfg, hier.name)
+    except ModelUnavailable as err:
+        raise ModelUnavailable(f"stage {stage.name!r}: {err}") from err
+
+
+def tokenizer_mismatches(expected: str, stages: list[tuple[int, str, str | None]]) -> list[str]:
+    """Stages whose tokenizer fingerprint differs from the hierarchy's (pure)."""
+    return [
+        f"stage {i} ({name}): tokenizer {fp} differs from the hierarchy's {expected}"
+        for i, name, fp in stages
+        if fp is not None and fp != expected
+    ]

@@ -14,11 +14,13 @@ import importlib.util
 import os
 from pathlib import Path
 
+from pipespec_mpi.errors import UserError
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct-f32"
 
 
-class ModelUnavailable(RuntimeError):
+class ModelUnavailable(UserError, RuntimeError):
     pass
 
 

@@ -55,9 +55,7 @@ def _target_state(base: TinyBaseConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_tiny(
-    base: TinyBaseConfig, layers: int | None, noise: float, seed: int, dtype: torch.dtype
-):
+def build_tiny(base: TinyBaseConfig, layers: int | None, noise: float, seed: int, dtype: torch.dtype):
     """A stage model: the target's first ``layers`` layers, weights * (1 + noise * N(0, 1))."""
     from transformers import LlamaForCausalLM
 
@@ -72,8 +70,7 @@ def build_tiny(
     if noise > 0:
         gen = torch.Generator().manual_seed(base.seed * 1000 + seed)
         keep = {
-            k: v * (1 + noise * torch.randn(v.shape, generator=gen, dtype=v.dtype))
-            for k, v in keep.items()
+            k: v * (1 + noise * torch.randn(v.shape, generator=gen, dtype=v.dtype)) for k, v in keep.items()
         }
     model.load_state_dict(keep, strict=True)
     return model.to(dtype).eval()

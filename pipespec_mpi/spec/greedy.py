@@ -52,9 +52,7 @@ def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:
     """
     n = len(proposal)
     if logits.shape[0] != n + 1:
-        raise ValueError(
-            f"need n+1={n + 1} rows of logits for {n} proposed tokens, got {logits.shape[0]}"
-        )
+        raise ValueError(f"need n+1={n + 1} rows of logits for {n} proposed tokens, got {logits.shape[0]}")
     target = greedy_tokens(logits)  # [n+1]
     m = count_accepted(torch.as_tensor(proposal, dtype=target.dtype), target)
     return Verdict(n_proposed=n, n_accepted=m, next_token=int(target[m]))

@@ -111,9 +111,7 @@ class StageLoop:
             backoff, t0 = Backoff(), time.monotonic()
             while not cond():
                 if time.monotonic() - t0 > self.stall_timeout_s:
-                    raise StallError(
-                        f"stage {self.role.stage}: {what} for {self.stall_timeout_s} s"
-                    )
+                    raise StallError(f"stage {self.role.stage}: {what} for {self.stall_timeout_s} s")
                 backoff.sleep()
 
         return wait
@@ -138,9 +136,7 @@ class StageLoop:
 
     @property
     def _capped(self) -> bool:
-        return len(self.out) >= self.cfg.max_new_tokens or (
-            bool(self.out) and self.out[-1] == self.eos
-        )
+        return len(self.out) >= self.cfg.max_new_tokens or (bool(self.out) and self.out[-1] == self.eos)
 
     def _commit(self, tokens: list[int], cost_s: float) -> None:
         if self.eos in tokens:
@@ -149,9 +145,7 @@ class StageLoop:
         self.out.extend(tokens)
         self.cost.extend([cost_s / max(1, len(tokens))] * len(tokens))
         if self.role.is_last:
-            self.stats.commit_times.append(
-                [round(time.perf_counter() - self.t_start, 6), len(self.out)]
-            )
+            self.stats.commit_times.append([round(time.perf_counter() - self.t_start, 6), len(self.out)])
 
     def _full(self) -> list[int]:
         return self.prompt + self.out
@@ -238,9 +232,8 @@ class StageLoop:
                 self.sent = min(len(self.out), len(theirs))
             else:
                 self.sent = max(self.sent, len(theirs)) if not a.discarded else len(theirs)
-            if self.role.upstream is not None:
-                if a.discarded or not self.inbox.advance(self.out, old):
-                    self._bump_epoch()
+            if self.role.upstream is not None and (a.discarded or not self.inbox.advance(self.out, old)):
+                self._bump_epoch()
             self._publish()
         return False
 

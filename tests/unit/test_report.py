@@ -226,9 +226,7 @@ def _mpirun(args: list[str], timeout: float = 150) -> None:
         )
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"mpirun timed out after {timeout} s: {' '.join(cmd)}\n{err.stderr}")
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 @pytest.mark.mpi
