@@ -21,7 +21,7 @@ from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow
 from pipespec_mpi.config import AppConfig
-from pipespec_mpi.data.datasets import load_prompts, shard
+from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
 from pipespec_mpi.spec.stage import StageLoop, StageRole
@@ -31,6 +31,10 @@ log = logging.getLogger("pipespec_mpi")
 
 
 class TokenizerMismatch(UserError):
+    pass
+
+
+class PromptTooLong(UserError):
     pass
 
 
@@ -129,6 +133,8 @@ class Runner:
         if self.world.rank == 0:
             prompts = tokenize_prompts(cfg, self.tokenizer)
         self.prompts = self.comm.bcast(prompts, root=0)
+        if not self.prompts:
+            raise DatasetError(f"dataset {cfg.dataset.name!r} gave no prompts")
 
         t0 = time.perf_counter()
         self.model = load_stage(cfg.hierarchy, pl.stage, self.cuda_devices)
@@ -152,7 +158,16 @@ class Runner:
     def _check_vocab(self) -> None:
         """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare."""
         vocab = getattr(self.model, "vocab_size", None)
-        got = self.comm.allgather((self.pl.stage, self.cfg.hierarchy.stages[self.pl.stage].name, vocab))
+        name = self.cfg.hierarchy.stages[self.pl.stage].name
+        context = getattr(self.model, "max_context", None)
+        longest = max(len(ids) for _, ids, _ in self.prompts) + self.cfg.decode.max_new_tokens
+        if context is not None and longest > context:
+            raise PromptTooLong(
+                f"stage {self.pl.stage} ({name}): the longest prompt plus max_new_tokens is {longest} "
+                f"tokens, more than the model's context of {context}; lower dataset.max_prompt_tokens "
+                "or max_new_tokens"
+            )
+        got = self.comm.allgather((self.pl.stage, name, vocab))
         need = self.tokenizer.vocab_size
         bad = [
             f"stage {s} ({n}): model vocabulary {v} < tokenizer's {need}"

@@ -83,7 +83,7 @@ def jsonl(path: str) -> list[PromptItem]:
             raise DatasetError(f"{path}:{n}: not JSON ({err.msg})") from err
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise DatasetError(f"{path}:{n}: each line needs a string field 'prompt'")
-        items.append(PromptItem(str(row.get("id", n - 1)), row["prompt"]))
+        items.append(PromptItem(str(row.get("id", len(items))), row["prompt"]))
     return items
 
 

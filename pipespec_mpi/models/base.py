@@ -64,6 +64,11 @@ class KVScorer:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    @property
+    def max_context(self) -> int | None:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
     def prefill(self, prompt: Sequence[int]) -> None:
         self._cache = self._cache_cls(config=self.model.config)
         self._len = 0
