@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import MPIRUN, ROOT, launch, launch_ok, read_results
+from conftest import MPIRUN, ROOT, launch, launch_ok
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TINY = ["hierarchy=tiny", "dataset=synthetic", "max_new_tokens=24"]
@@ -39,8 +39,14 @@ def test_jsonl_dataset(tmp_path):
 def _run_bg(overrides, run_dir, env=None):
     cmd = [str(MPIRUN), "-n", "3", sys.executable, "-m", "pipespec_mpi", *overrides,
            "run.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
