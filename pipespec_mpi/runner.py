@@ -303,7 +303,13 @@ class Runner:
                 os.fsync(part.fileno())
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(method=job.method, tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}")
+                    last = rec["stages"][-1]
+                    acc = last["tokens_accepted"] / last["verifications"] if last["verifications"] else 0
+                    bar.set_postfix(
+                        method=job.method,
+                        tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}",
+                        accepted=f"{acc:.2f}",
+                    )
         if part is not None:
             part.close()
         if bar is not None:
