@@ -129,6 +129,18 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 = greedy. Otherwise exact sampling through the hierarchy (spec/sampling.py);
+    ``num_samples`` independent samples per prompt, each its own results line."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_samples: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
 class TransportConfig:
     kind: str = "auto"
     depth: int = 8
@@ -155,6 +167,7 @@ class AppConfig:
     decode: DecodeConfig
     transport: TransportConfig
     run: RunConfig
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +204,7 @@ def load_config(root: Mapping[str, Any]) -> AppConfig:
     root.pop("hydra", None)
     known_top = {
         "hierarchy", "method", "dataset", "mode", "lookahead", "max_new_tokens", "n_prompts",
-        "seed", "transport", "decode", "run",
+        "seed", "transport", "decode", "run", "sampling",
     }  # fmt: skip
     for key in sorted(set(root) - known_top):
         problems.append(f"{key}: unknown top-level key (known: {', '.join(sorted(known_top))})")
@@ -241,8 +254,12 @@ def load_config(root: Mapping[str, Any]) -> AppConfig:
         run_node["methods"] = tuple(run_node["methods"])
     run = _build(RunConfig, run_node, "run", problems)
 
-    if None not in (hier, method, dataset, decode, transport, run):
-        cfg = AppConfig(hier, method, dataset, decode, transport, run)
+    samp_node = dict(root.get("sampling") or {})
+    samp_node.setdefault("seed", root.get("seed", 0))
+    sampling = _build(SamplingConfig, samp_node, "sampling", problems)
+
+    if None not in (hier, method, dataset, decode, transport, run, sampling):
+        cfg = AppConfig(hier, method, dataset, decode, transport, run, sampling)
         problems.extend(validate(cfg))
     if problems:
         raise ConfigError(problems)
@@ -327,6 +344,16 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"transport={t.kind!r}: must be one of {TRANSPORTS}")
     if t.depth < 1 or t.max_msg_tokens < 1:
         p.append(f"transport.depth={t.depth}, max_msg_tokens={t.max_msg_tokens}: must be >= 1")
+
+    s = cfg.sampling
+    if s.temperature < 0:
+        p.append(f"sampling.temperature={s.temperature}: must be >= 0 (0 = greedy)")
+    if s.top_k < 0:
+        p.append(f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)")
+    if not 0 < s.top_p <= 1:
+        p.append(f"sampling.top_p={s.top_p}: must be in (0, 1]")
+    if not _int(s.num_samples) or s.num_samples < 1:
+        p.append(f"sampling.num_samples={s.num_samples}: must be an integer >= 1")
 
     r = cfg.run
     if r.mode not in MODES:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
+from pipespec_mpi.spec.sampling import Sampler, mix
 from pipespec_mpi.spec.stage import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for, place
 
@@ -50,6 +52,7 @@ class Job:
     prompt_ids: list[int]
     method: str
     warmup: bool
+    sample_idx: int = 0
 
 
 def resolve_transport(kind: str) -> str:
@@ -82,7 +85,15 @@ def tokenize_prompts(cfg: AppConfig, tokenizer) -> list[tuple[str, list[int], st
     return out
 
 
-def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str]]) -> list[Job]:
+def sampler_for(cfg: AppConfig, job: Job) -> Sampler:
+    """The job's sampler: its noise depends on (seed, prompt, sample index) only, so every
+    method and every rerun of the same sample draws the same tokens."""
+    s = cfg.sampling
+    key = mix(s.seed, zlib.crc32(job.prompt_id.encode()), job.sample_idx)
+    return Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, key=key)
+
+
+def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str, int]]) -> list[Job]:
     """This replica's jobs: its shard of the prompts, interleaving methods in benchmark mode."""
     methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method.name]
     mine = shard(shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas)
@@ -94,10 +105,11 @@ def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str,
                 seq += 1
                 jobs.append(Job(seq, pid, ids, m, warmup=True))
     for pid, ids, _ in mine:
-        for m in methods:
-            seq += 1
-            if (pid, m) not in done:
-                jobs.append(Job(seq, pid, ids, m, warmup=False))
+        for k in range(cfg.sampling.num_samples):
+            for m in methods:
+                seq += 1
+                if (pid, m, k) not in done:
+                    jobs.append(Job(seq, pid, ids, m, warmup=False, sample_idx=k))
     return jobs
 
 
@@ -237,6 +249,8 @@ class Runner:
             "replica": pl.replica,
             "method": job.method,
             "warmup": job.warmup,
+            "sample_idx": job.sample_idx,
+            "temperature": self.cfg.sampling.temperature,
             "seq": job.seq,
             "prompt_ids": job.prompt_ids,
             "output_ids": outcome.tokens,
@@ -258,7 +272,7 @@ class Runner:
         self.loop.reset(job.seq)
         self._barrier(self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}")
         t0 = time.perf_counter()
-        outcome = self.loop.run(job.seq, job.prompt_ids, job.method)
+        outcome = self.loop.run(job.seq, job.prompt_ids, job.method, sampler_for(self.cfg, job))
         t_wall = time.perf_counter() - t0
         return self._collect(job, outcome, t_wall)
 
@@ -281,7 +295,7 @@ class Runner:
                     except json.JSONDecodeError:
                         continue  # a line cut by a kill
                     if not r.get("warmup"):
-                        done.add((r["prompt_id"], r["method"]))
+                        done.add((r["prompt_id"], r["method"], r.get("sample_idx", 0)))
         return done
 
     def run(self) -> None:

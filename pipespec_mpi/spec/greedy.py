@@ -44,15 +44,25 @@ def count_accepted(proposal: torch.Tensor, target: torch.Tensor) -> int:
     return int(mismatch[0, 0]) if mismatch.numel() else n
 
 
-def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:
-    """Verify ``proposal`` (n ids) against the verifier's logits [n+1, V].
+def verify_against(proposal: list[int], target: torch.Tensor) -> Verdict:
+    """Verify ``proposal`` (n ids) against the verifier's own choices target [n+1].
 
-    logits[j] is the verifier's distribution for position L+j given the committed prefix and
-    proposal[:j]; so proposal[j] is accepted iff it equals argmax(logits[j]) and all before it were.
+    target[j] is the verifier's token for position L+j given the committed prefix and
+    proposal[:j] (its argmax, or its Gumbel-perturbed argmax when sampling); proposal[j] is
+    accepted iff it equals target[j] and all before it were accepted.
     """
     n = len(proposal)
-    if logits.shape[0] != n + 1:
-        raise ValueError(f"need n+1={n + 1} rows of logits for {n} proposed tokens, got {logits.shape[0]}")
-    target = greedy_tokens(logits)  # [n+1]
+    if target.shape[0] != n + 1:
+        raise ValueError(f"need n+1={n + 1} target tokens for {n} proposed, got {target.shape[0]}")
     m = count_accepted(torch.as_tensor(proposal, dtype=target.dtype), target)
     return Verdict(n_proposed=n, n_accepted=m, next_token=int(target[m]))
+
+
+def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:
+    """Greedy verification from the verifier's logits [n+1, V]."""
+    if logits.shape[0] != len(proposal) + 1:
+        raise ValueError(
+            f"need n+1={len(proposal) + 1} rows of logits for {len(proposal)} proposed tokens, "
+            f"got {logits.shape[0]}"
+        )
+    return verify_against(proposal, greedy_tokens(logits))

@@ -20,6 +20,7 @@ Waiting polls with backoff and never spins.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,14 @@ from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.wait import Backoff, StallError
 from pipespec_mpi.comm.window import EpochWindow, Header
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.spec.greedy import greedy_tokens, greedy_verify
+from pipespec_mpi.spec.greedy import Verdict, verify_against
+from pipespec_mpi.spec.sampling import Sampler
 from pipespec_mpi.spec.sequence import Inbox, adopt
+
+
+# Test hook: PIPESPEC_BROKEN_VERIFIER=1 makes every verifier accept all proposals, so that the
+# statistical tests can show they detect a wrong verifier. Never set it otherwise.
+BROKEN_VERIFIER = os.environ.get("PIPESPEC_BROKEN_VERIFIER") == "1"
 
 
 @dataclass
@@ -156,7 +163,7 @@ class StageLoop:
         t0 = time.perf_counter()
         n0 = len(self.out)
         logits = self.model.logits(self._full(), [])
-        tok = int(greedy_tokens(logits)[-1])
+        tok = int(self.sampler.tokens(logits[-1:], n0)[0])
         t1 = time.perf_counter()
         self.stats.forward_calls += 1
         self._commit([tok], t1 - t0)
@@ -187,7 +194,10 @@ class StageLoop:
         t0 = time.perf_counter()
         n0 = len(self.out)
         logits = self.model.logits(self._full(), proposal)  # [n+1, V]
-        verdict = greedy_verify(proposal, logits)
+        target = self.sampler.tokens(logits, n0)  # [n+1]: our own choices at positions n0..n0+n
+        verdict = verify_against(proposal, target)
+        if BROKEN_VERIFIER:  # test hook: accept everything (must be caught by the tests)
+            verdict = Verdict(n, n, int(target[n]))
         t1 = time.perf_counter()
         self.stats.forward_calls += 1
         self.stats.verifications += 1
@@ -326,7 +336,10 @@ class StageLoop:
         self.want, self.idle = 0, False
         self._publish()
 
-    def run(self, seq: int, prompt: Sequence[int], method: str) -> StageOutcome:
+    def run(
+        self, seq: int, prompt: Sequence[int], method: str, sampler: Sampler | None = None
+    ) -> StageOutcome:
+        self.sampler = sampler or Sampler()
         self.stats = StageStats(self.role.stage, self.role.rank, getattr(self.model, "name", "?"))
         self.prompt = list(prompt)
         self.seq, self.epoch, self.seen_down_epoch = seq, 0, 0
