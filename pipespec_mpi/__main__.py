@@ -3,6 +3,11 @@
 Thin on purpose: MPI first (rank 0 picks the run's time stamp and broadcasts it, so every rank
 resolves the same Hydra run directory), then Hydra composes the config, ``load_config`` types
 and validates it, and ``Runner`` does the work. Any exception on any rank aborts the whole job.
+
+A Hydra launcher that runs the task function in fresh processes (hydra-submitit-launcher: each
+Slurm task unpickles ``app`` and Hydra's resolvers with this module's globals as the submitting
+process left them) gets its MPI world from ``current_world()``, which sets the world up again in
+any process that did not do it itself; the resolvers for the rank's log file and ``.hydra`` call it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -27,14 +33,27 @@ from pipespec_mpi.comm.bootstrap import (
 from pipespec_mpi.config import load_config
 from pipespec_mpi.topology import check_world
 
-WORLD = None  # set once in main() before Hydra starts; read by the task function
+WORLD = None  # this process's world, set by current_world(); read by the task function
+_WORLD_OWNER: tuple[int, str] | None = None  # (pid, host) of the process that set WORLD up
+
+
+def current_world():
+    """This process's MPI world, set up on first use in each process (also a launcher's worker)."""
+    global WORLD, _WORLD_OWNER
+    owner = (os.getpid(), socket.gethostname())
+    if WORLD is None or owner != _WORLD_OWNER:
+        world = world_info()
+        check_singletons(world)
+        WORLD, _WORLD_OWNER = world, owner
+        os.environ["PIPESPEC_RANK"] = str(world.rank)
+    return WORLD
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def app(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    world = WORLD
+    world = current_world()
     try:
         typed = load_config(OmegaConf.to_container(cfg, resolve=True))
         check_world(world.size, typed.hierarchy.n_stages)
@@ -75,11 +94,9 @@ def user_error(exc: BaseException, world) -> None:
 
 
 def main() -> None:
-    global WORLD
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     try:
-        WORLD = world_info()
-        check_singletons(WORLD)
+        current_world()
         from mpi4py import MPI
 
         stamp = time.strftime("%Y-%m-%d/%H-%M-%S") if WORLD.rank == 0 else None
@@ -87,10 +104,10 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001
         abort(exc, "startup")
     os.environ.setdefault("PIPESPEC_RUN_STAMP", stamp)
-    os.environ["PIPESPEC_RANK"] = str(WORLD.rank)
     OmegaConf.register_new_resolver(
-        "pipespec_output_subdir", lambda: ".hydra" if WORLD.rank == 0 else None, replace=True
+        "pipespec_output_subdir", lambda: ".hydra" if current_world().rank == 0 else None, replace=True
     )
+    OmegaConf.register_new_resolver("pipespec_rank", lambda: current_world().rank, replace=True)
     app()
     shutdown_torch_distributed()
 

@@ -66,7 +66,11 @@ def resolve_transport(kind: str) -> str:
 def set_threads(threads: int | None, local_size: int) -> int:
     import torch
 
-    n = threads or max(1, len(os.sched_getaffinity(0)) // local_size)
+    mine = len(os.sched_getaffinity(0))
+    # A launcher that binds each rank to its own CPUs (srun --cpus-per-task) already gave us our
+    # share; otherwise the node's ranks split the CPUs they all see.
+    shared = mine >= (os.cpu_count() or mine)
+    n = threads or max(1, mine // local_size if shared else mine)
     torch.set_num_threads(n)
     return n
 

@@ -7,7 +7,7 @@
 #   bash slurm/local/setup.sh --stop    stop the daemons this script started (by their pid files)
 #   bash slurm/local/setup.sh --status  print sinfo and exit 0 if the node is usable
 #
-# Knobs (environment): SLURM_LOCAL_CPUS (64) and SLURM_LOCAL_GPUS (8) are what the node
+# Knobs (environment): SLURM_LOCAL_CPUS (128) and SLURM_LOCAL_GPUS (64) are what the node
 # advertises (more than the machine has, on purpose: the jobs are tiny, and the sbatch scripts'
 # defaults must fit; the GPUs are counted only, there is no CUDA device behind them),
 # SLURM_LOCAL_PARTITION (debug), SLURM_LOCAL_STATE (/var/lib/pipespec-slurm),
@@ -21,8 +21,8 @@ CONF=$CONF_DIR/slurm.conf
 GRES=$CONF_DIR/gres.conf
 MARK="ClusterName=pipespec-local"
 NODE=$(hostname -s)
-CPUS=${SLURM_LOCAL_CPUS:-64}
-GPUS=${SLURM_LOCAL_GPUS:-8}
+CPUS=${SLURM_LOCAL_CPUS:-128}
+GPUS=${SLURM_LOCAL_GPUS:-64}
 PARTITION=${SLURM_LOCAL_PARTITION:-debug}
 STATE=${SLURM_LOCAL_STATE:-/var/lib/pipespec-slurm}
 LOGDIR=/var/log/slurm
@@ -48,7 +48,9 @@ stop_daemon() { # stop_daemon NAME PIDFILE
       kill -0 "$pid" 2>/dev/null || break
       sleep 0.2
     done
-    kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -9 "$pid" 2>/dev/null || true
+    fi
   fi
   rm -f "$2"
 }

@@ -5,6 +5,7 @@ same test must reject a deliberately broken verifier that accepts every proposal
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -72,7 +73,7 @@ def sample_pairs(
     tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, env=None
 ) -> list:
     jsonl = tmp / "p.jsonl"
-    jsonl.write_text('{"prompt": "%s", "id": "fib"}\n' % PROMPT)
+    jsonl.write_text(json.dumps({"prompt": PROMPT, "id": "fib"}) + "\n")
     recs = launch_ok(
         n,
         [f"hierarchy={hier}", "dataset=jsonl", f"dataset.path={jsonl}", "method=pipespec",
