@@ -33,7 +33,6 @@ from pipespec_mpi.spec.greedy import Verdict, verify_against
 from pipespec_mpi.spec.sampling import Sampler
 from pipespec_mpi.spec.sequence import Inbox, adopt
 
-
 # Test hook: PIPESPEC_BROKEN_VERIFIER=1 makes every verifier accept all proposals, so that the
 # statistical tests can show they detect a wrong verifier. Never set it otherwise.
 BROKEN_VERIFIER = os.environ.get("PIPESPEC_BROKEN_VERIFIER") == "1"
