@@ -1,0 +1,402 @@
+"""Planner: predict the best AR, SD and PipeSpec configurations with the simulator.
+
+  python -m pipespec_mpi.plan                      # the paper's models (simulate.PAPER_*)
+  python -m pipespec_mpi.plan --config plan.yaml   # your latency profiles and acceptance rates
+  python -m pipespec_mpi.plan --from RUN_DIR       # profiles and rates measured in a run
+
+It searches hierarchies (every ordered choice of distinct drafters in front of the target: subsets
+and orderings of the available models), SD windows and PipeSpec lookaheads, simulates each with
+i.i.d. acceptance (pipespec_mpi/simulate.py) and prints the best configurations per method with
+their predicted speedup over AR, as Hydra overrides ready to paste after
+``mpirun -n <stages> python -m pipespec_mpi``.
+
+A plan config (YAML or JSON):
+
+  hierarchy: tiny                  # optional: conf/hierarchy/<name>.yaml, for the overrides
+  target: tiny-target-4L           # the model whose output is wanted (default: the slowest)
+  latency_ms: 0.5                  # per-message latency between stages (default 0)
+  blocking_reads: false            # header reads wait for a computing stage (MPI RMA, MPICH)
+  models:                          # forward time in ms by number of tokens; loop overhead
+    tiny-draft-1L: {forward_ms: {1: 0.9, 16: 1.2}, overhead_ms: 0.1}
+    tiny-mid-3L: {forward_ms: {1: 2.0, 16: 2.8}}
+    tiny-target-4L: {forward_ms: {1: 2.2, 16: 3.0}}
+  acceptance:                      # i.i.d. rate per (drafter -> verifier) pair
+    tiny-draft-1L -> tiny-mid-3L: 0.66
+    tiny-mid-3L -> tiny-target-4L: 0.82
+    tiny-draft-1L -> tiny-target-4L: 0.60
+
+A hierarchy needs a rate for each adjacent pair; with ``--transitive`` a missing a -> c is
+estimated as rate(a -> b) * rate(b -> c) through a known b (a lower bound under the simulator's
+token model), otherwise the hierarchy is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pipespec_mpi import simulate as sim
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "hierarchy"
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    models: dict[str, sim.LatencyProfile]
+    rates: dict[tuple[str, str], float]
+    target: str
+    latency_s: float = 0.0
+    up_latency_s: float | None = None
+    blocking_reads: bool = False
+    hierarchy: str | None = None  # conf/hierarchy/<name>.yaml for the overrides
+    stage_defs: dict[str, dict] | None = None  # model name -> stage dict of that hierarchy
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    method: str
+    models: tuple[str, ...]
+    lookahead: int
+    ms_per_token: float
+    speedup: float = float("nan")
+
+
+# ---------------------------------------------------------------------------------- inputs
+def _profile_from_config(name: str, node: Mapping) -> sim.LatencyProfile:
+    fwd = node.get("forward_ms")
+    if isinstance(fwd, Mapping):
+        points = tuple((float(n), float(ms) / 1000) for n, ms in fwd.items())
+    elif isinstance(fwd, (int, float)):
+        points = ((1.0, float(fwd) / 1000),)
+    else:
+        raise ValueError(f"models.{name}.forward_ms: a number or a mapping n_tokens -> ms")
+    return sim.LatencyProfile(
+        name=name,
+        points=points,
+        overhead_s=float(node.get("overhead_ms", 0.0)) / 1000,
+        prefill_per_token_s=float(node.get("prefill_ms_per_token", 0.0)) / 1000,
+        kind=str(node.get("kind", "model")),
+        max_proposal=int(node.get("max_proposal", 8)),
+        lookup_hit_rate=float(node.get("lookup_hit_rate", 1.0)),
+    )
+
+
+def _parse_pair(key: str) -> tuple[str, str]:
+    if "->" not in key:
+        raise ValueError(f"acceptance key {key!r}: write 'drafter -> verifier'")
+    a, b = (x.strip() for x in key.split("->", 1))
+    return a, b
+
+
+def stage_defs_of(hierarchy: str | None) -> dict[str, dict] | None:
+    """Stage dicts by name from conf/hierarchy/<name>.yaml (following a 'defaults' parent)."""
+    if not hierarchy:
+        return None
+    import yaml
+
+    path = CONF_DIR / f"{hierarchy}.yaml"
+    if not path.exists():
+        return None
+    node = yaml.safe_load(path.read_text()) or {}
+    stages = node.get("stages")
+    if stages is None:
+        for d in node.get("defaults") or []:
+            if isinstance(d, str) and d != "_self_":
+                parent = stage_defs_of(d)
+                if parent is not None:
+                    return parent
+        return None
+    return {s["name"]: dict(s) for s in stages}
+
+
+def load_plan_config(path: str | Path) -> PlanInputs:
+    text = Path(path).read_text()
+    if str(path).endswith(".json"):
+        node = json.loads(text)
+    else:
+        import yaml
+
+        node = yaml.safe_load(text)
+    models = {n: _profile_from_config(n, m or {}) for n, m in (node.get("models") or {}).items()}
+    if not models:
+        raise ValueError(f"{path}: 'models' is empty")
+    rates = {_parse_pair(k): float(v) for k, v in (node.get("acceptance") or {}).items()}
+    target = node.get("target") or max(models, key=lambda n: models[n].forward_s(1))
+    if target not in models:
+        raise ValueError(f"{path}: target {target!r} is not among the models")
+    hier = node.get("hierarchy")
+    return PlanInputs(
+        models=models,
+        rates=rates,
+        target=target,
+        latency_s=float(node.get("latency_ms", 0.0)) / 1000,
+        blocking_reads=bool(node.get("blocking_reads", False)),
+        hierarchy=hier,
+        stage_defs=stage_defs_of(hier),
+        source=str(path),
+    )
+
+
+def inputs_from_run(run_dir: str | Path) -> PlanInputs:
+    """Profiles, adjacent-pair rates and latencies measured in a run (its PipeSpec records if
+    any, else SD, else AR)."""
+    recs = sim.load_records(run_dir)
+    by: dict[str, list[dict]] = {}
+    for r in recs:
+        by.setdefault(r["method"], []).append(r)
+    method = next((m for m in ("pipespec", "sd", "ar") if m in by), None)
+    if method is None:
+        raise ValueError(f"{run_dir}: no records")
+    cal = sim.calibrate(by[method])
+    names = [p.name for p in cal.profiles]
+    models = {p.name: p for p in cal.profiles}
+    rates = {(a, b): r for a, b, r in zip(names, names[1:], cal.rates)}
+    hier = by[method][0].get("hierarchy")
+    lat = sum(cal.down_latency_s) / len(cal.down_latency_s) if cal.down_latency_s else 0.0
+    up = sum(cal.up_latency_s) / len(cal.up_latency_s) if cal.up_latency_s else None
+    return PlanInputs(
+        models=models,
+        rates=rates,
+        target=names[-1],
+        latency_s=lat,
+        up_latency_s=up,
+        blocking_reads=True,
+        hierarchy=hier,
+        stage_defs=stage_defs_of(hier),
+        source=f"{run_dir} ({method} records)",
+    )
+
+
+PAPER_HIERARCHY = "llama3_1b_8b_70b"
+PAPER_STAGE_NAMES = {"1B": "llama-3.2-1b", "8B": "llama-3.1-8b", "70B": "llama-3.1-70b"}
+
+
+def paper_inputs(blocking_reads: bool = False) -> PlanInputs:
+    """The paper's models (simulate.PAPER_*), i.i.d. rates; overrides for the Llama preset."""
+    defs = stage_defs_of(PAPER_HIERARCHY) or {}
+    stage_defs = {k: defs[v] for k, v in PAPER_STAGE_NAMES.items() if v in defs}
+    return PlanInputs(
+        models=dict(sim.PAPER_PROFILES),
+        rates=dict(sim.PAPER_RATES["iid"]),
+        target="70B",
+        latency_s=sim.PAPER_LATENCY_S,
+        blocking_reads=blocking_reads,
+        hierarchy=PAPER_HIERARCHY if len(stage_defs) == 3 else None,
+        stage_defs=stage_defs if len(stage_defs) == 3 else None,
+        source="the paper's setting (simulate.PAPER_*, i.i.d. rates)",
+    )
+
+
+# ---------------------------------------------------------------------------------- search
+def pair_rate(rates: Mapping[tuple[str, str], float], a: str, b: str, transitive: bool) -> float | None:
+    if (a, b) in rates:
+        return rates[(a, b)]
+    if transitive:
+        via = [rates[(a, m)] * rates[(m, b)] for (x, m) in rates if x == a and (m, b) in rates]
+        if via:
+            return max(via)
+    return None
+
+
+def hierarchies(
+    inp: PlanInputs, max_stages: int, transitive: bool
+) -> list[tuple[tuple[str, ...], tuple[float, ...]]]:
+    """Every ordered choice of distinct drafters before the target with known pair rates; a
+    lookup (model-free) drafter can only come first."""
+    others = [m for m in inp.models if m != inp.target]
+    out = []
+    for k in range(0, max_stages):
+        for drafters in itertools.permutations(others, k):
+            models = (*drafters, inp.target)
+            if any(inp.models[m].kind == "lookup" for m in models[1:]):
+                continue
+            rates = [pair_rate(inp.rates, a, b, transitive) for a, b in zip(models, models[1:])]
+            if any(r is None for r in rates):
+                continue
+            out.append((models, tuple(float(r) for r in rates)))
+    return out
+
+
+def evaluate(
+    inp: PlanInputs,
+    max_stages: int = 3,
+    lookaheads: Sequence[int] = (0, 1, 2, 4, 8),
+    sd_windows: Sequence[int] = (1, 2, 3, 4, 6, 8),
+    n_tokens: int = 128,
+    seeds: Sequence[int] = (0, 1, 2),
+    max_run_ahead: int = 16,
+    max_verify: int = 16,
+    transitive: bool = False,
+) -> list[Candidate]:
+    """Every candidate, with its predicted ms/token and speedup over AR of the target."""
+    base = sim.SimConfig(
+        max_new_tokens=n_tokens,
+        max_run_ahead=max_run_ahead,
+        max_verify=max_verify,
+        latency_s=inp.latency_s,
+        up_latency_s=inp.up_latency_s,
+        blocking_reads=inp.blocking_reads,
+        include_prefill=False,
+    )
+    target = inp.models[inp.target]
+    ar_ms = sim.mean_ms_per_token([target], (), replace(base, method="ar"), seeds[:1])
+    cands = [Candidate("ar", (inp.target,), 0, ar_ms, 1.0)]
+    for models, rates in hierarchies(inp, max_stages, transitive):
+        if len(models) < 2:
+            continue
+        profs = [inp.models[m] for m in models]
+        for method, looks in (("sd", sd_windows), ("pipespec", lookaheads)):
+            for la in looks:
+                if la > max_verify or la > max_run_ahead:
+                    continue
+                cfg = replace(base, method=method, lookahead=la)
+                ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
+                cands.append(Candidate(method, models, la, ms, ar_ms / ms))
+    return cands
+
+
+def best(cands: Sequence[Candidate], top: int = 3) -> dict[str, list[Candidate]]:
+    out: dict[str, list[Candidate]] = {}
+    for m in sim.METHODS:
+        cs = sorted((c for c in cands if c.method == m), key=lambda c: c.ms_per_token)
+        out[m] = cs[:top]
+    return out
+
+
+# ---------------------------------------------------------------------------------- output
+def _hydra_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return str(v)
+
+
+def matching_hierarchy(stage_names: Sequence[str]) -> str | None:
+    """A conf/hierarchy preset whose stages are exactly these, in this order."""
+    for path in sorted(CONF_DIR.glob("*.yaml")):
+        defs = stage_defs_of(path.stem)
+        if defs is not None and list(defs) == list(stage_names):
+            return path.stem
+    return None
+
+
+def overrides(c: Candidate, inp: PlanInputs) -> str:
+    """Hydra overrides reproducing a candidate: a hierarchy preset with exactly its stages if
+    there is one, else the configured hierarchy with its stage list replaced."""
+    parts = [f"method={c.method}"]
+    if c.method != "ar":
+        parts.append(f"lookahead={c.lookahead}")
+    defs = inp.stage_defs
+    if defs and all(m in defs for m in c.models):
+        preset = matching_hierarchy([defs[m].get("name", m) for m in c.models])
+        if preset:
+            return " ".join([f"hierarchy={preset}", *parts])
+    if inp.hierarchy:
+        parts.insert(0, f"hierarchy={inp.hierarchy}")
+    if defs and all(m in defs for m in c.models) and list(c.models) != list(defs):
+        idx = {m: i for i, m in enumerate(c.models)}
+        orig = list(defs)
+        stages = []
+        for m in c.models:
+            d = dict(defs[m])
+            if d.get("copy_of") is not None:
+                ref = orig[int(d["copy_of"])] if int(d["copy_of"]) < len(orig) else None
+                if ref not in idx:
+                    return " ".join(parts) + f"  # {m} copies {ref}, which is not in this hierarchy"
+                d["copy_of"] = idx[ref]
+            stages.append("{" + ", ".join(f"{k}: {_hydra_value(v)}" for k, v in d.items()) + "}")
+        parts.append("'hierarchy.stages=[" + ", ".join(stages) + "]'")
+    return " ".join(parts)
+
+
+def table(picked: Mapping[str, Sequence[Candidate]], inp: PlanInputs) -> str:
+    lines = [
+        f"inputs: {inp.source}; target {inp.target}; latency {1000 * inp.latency_s:.2f} ms; "
+        f"blocking header reads: {'yes' if inp.blocking_reads else 'no'}",
+        f"{'method':<9} {'hierarchy':<40} {'la':>3} {'ms/token':>9} {'speedup':>8}",
+    ]
+    for m, cs in picked.items():
+        for c in cs:
+            la = "-" if m == "ar" else str(c.lookahead)
+            lines.append(
+                f"{m:<9} {' -> '.join(c.models):<40} {la:>3} {c.ms_per_token:>9.2f} {c.speedup:>7.2f}x"
+            )
+            lines.append(f"    mpirun -n {len(c.models)} python -m pipespec_mpi {overrides(c, inp)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipespec_mpi.plan", description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--config", help="a plan config (YAML or JSON)")
+    src.add_argument("--from", dest="run_dir", help="a run directory: use its measured profiles")
+    src.add_argument("--preset", choices=["paper"], help="the paper's models (the default)")
+    ap.add_argument("--max-stages", type=int, default=3)
+    ap.add_argument("--lookaheads", default="0,1,2,4,8", help="PipeSpec lookaheads to try")
+    ap.add_argument("--sd-windows", default="1,2,3,4,6,8", help="SD windows to try")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per simulated prompt")
+    ap.add_argument("--seeds", type=int, default=3, help="simulations per candidate")
+    ap.add_argument("--max-run-ahead", type=int, default=16)
+    ap.add_argument("--max-verify", type=int, default=16)
+    ap.add_argument("--transitive", action="store_true", help="estimate missing pair rates")
+    ap.add_argument(
+        "--blocking-reads",
+        choices=["yes", "no"],
+        default=None,
+        help="header reads wait for a computing stage (default: yes for --from, else no)",
+    )
+    ap.add_argument("--top", type=int, default=3, help="configurations shown per method")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        if a.config:
+            inp = load_plan_config(a.config)
+        elif a.run_dir:
+            inp = inputs_from_run(a.run_dir)
+        else:
+            inp = paper_inputs()
+        if a.blocking_reads is not None:
+            inp = replace(inp, blocking_reads=a.blocking_reads == "yes")
+        cands = evaluate(
+            inp,
+            max_stages=a.max_stages,
+            lookaheads=[int(x) for x in a.lookaheads.split(",") if x.strip()],
+            sd_windows=[int(x) for x in a.sd_windows.split(",") if x.strip()],
+            n_tokens=a.tokens,
+            seeds=tuple(range(a.seeds)),
+            max_run_ahead=a.max_run_ahead,
+            max_verify=a.max_verify,
+            transitive=a.transitive,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
+        return 2
+    picked = best(cands, a.top)
+    if a.json:
+        rows = [
+            {
+                "method": c.method,
+                "models": list(c.models),
+                "lookahead": c.lookahead,
+                "ms_per_token": c.ms_per_token,
+                "speedup": c.speedup,
+                "overrides": overrides(c, inp),
+            }
+            for cs in picked.values()
+            for c in cs
+        ]
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table(picked, inp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

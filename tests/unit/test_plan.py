@@ -1,0 +1,92 @@
+"""The planner: inputs from a config, the search space, the ranking and the Hydra overrides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipespec_mpi import plan
+
+CONFIG = """
+hierarchy: tiny
+target: tiny-target-4L
+latency_ms: 0.1
+models:
+  tiny-draft-1L: {forward_ms: {1: 1.0, 16: 1.5}, overhead_ms: 0.05}
+  tiny-mid-3L: {forward_ms: {1: 3.0, 16: 4.0}}
+  tiny-target-4L: {forward_ms: {1: 10.0, 16: 12.0}}
+acceptance:
+  tiny-draft-1L -> tiny-mid-3L: 0.8
+  tiny-mid-3L -> tiny-target-4L: 0.9
+"""
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(CONFIG)
+    return plan.load_plan_config(path)
+
+
+def test_config_is_read(inputs):
+    assert inputs.target == "tiny-target-4L"
+    assert inputs.models["tiny-draft-1L"].forward_s(16) == pytest.approx(1.5e-3)
+    assert inputs.rates[("tiny-mid-3L", "tiny-target-4L")] == 0.9
+    assert inputs.latency_s == pytest.approx(1e-4)
+    assert inputs.stage_defs is not None and "tiny-mid-3L" in inputs.stage_defs  # conf/hierarchy/tiny.yaml
+
+
+def test_search_space_needs_pair_rates(inputs):
+    found = {m for m, _ in plan.hierarchies(inputs, 3, transitive=False)}
+    assert ("tiny-target-4L",) in found
+    assert ("tiny-mid-3L", "tiny-target-4L") in found
+    assert ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L") in found
+    assert ("tiny-draft-1L", "tiny-target-4L") not in found  # no rate for that pair
+    assert ("tiny-mid-3L", "tiny-draft-1L", "tiny-target-4L") not in found
+    rates = dict(plan.hierarchies(inputs, 3, transitive=True))
+    assert rates[("tiny-draft-1L", "tiny-target-4L")] == (pytest.approx(0.72),)
+
+
+def test_every_method_gets_a_best_configuration(inputs):
+    cands = plan.evaluate(inputs, max_stages=3, lookaheads=(0, 2), sd_windows=(2, 4), n_tokens=48, seeds=(0,))
+    best = plan.best(cands, top=2)
+    assert best["ar"][0].speedup == 1.0
+    assert best["ar"][0].ms_per_token == pytest.approx(10.0)
+    for m in ("sd", "pipespec"):
+        assert best[m], m
+        assert best[m][0].ms_per_token <= best[m][-1].ms_per_token
+        assert best[m][0].speedup == pytest.approx(best["ar"][0].ms_per_token / best[m][0].ms_per_token)
+
+
+def test_overrides_are_hydra_ready(inputs):
+    c = plan.Candidate("pipespec", ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L"), 2, 5.0, 2.0)
+    assert plan.overrides(c, inputs) == "hierarchy=tiny method=pipespec lookahead=2"
+    c = plan.Candidate("sd", ("tiny-mid-3L", "tiny-target-4L"), 4, 5.0, 2.0)
+    o = plan.overrides(c, inputs)
+    assert o.startswith("hierarchy=tiny method=sd lookahead=4 'hierarchy.stages=[{name: tiny-mid-3L")
+    assert "layers: 3" in o and o.endswith("}]'")
+
+
+def test_overrides_remap_copy_of():
+    inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2",
+                          stage_defs=plan.stage_defs_of("smollm2"))  # fmt: skip
+    c = plan.Candidate("pipespec", ("smollm2-135m-int8", "smollm2-135m"), 0, 1.0, 1.0)
+    o = plan.overrides(c, inp)
+    assert "copy_of: 1" in o and "prompt-lookup" not in o
+
+
+def test_cli_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({
+        "models": {"d": {"forward_ms": 1.0}, "t": {"forward_ms": {"1": 10, "8": 11}}},
+        "acceptance": {"d -> t": 0.9},
+    }))  # fmt: skip
+    argv = ["--config", str(path), "--json", "--tokens", "32", "--seeds", "1", "--lookaheads", "0,2",
+            "--sd-windows", "2,4", "--top", "1"]  # fmt: skip
+    assert plan.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
+    assert rows[0]["models"] == ["t"]  # the slowest model is the target by default
+    assert all(r["overrides"].startswith("method=") for r in rows)
+    assert plan.main(["--config", str(tmp_path / "missing.yaml")]) == 2

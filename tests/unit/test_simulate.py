@@ -1,0 +1,267 @@
+"""The discrete-event simulator: cases with known answers, token conservation, calibration."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipespec_mpi import simulate as sim
+from pipespec_mpi.simulate import Acceptance, LatencyProfile, SimConfig, simulate
+
+MS = 1e-3
+DRAFT = LatencyProfile("draft", ((1, 1 * MS),))
+TARGET = LatencyProfile("target", ((1, 10 * MS), (2, 12 * MS)))  # 10 ms + 2 ms per extra token
+MID = LatencyProfile("mid", ((1, 4 * MS), (2, 5 * MS)))
+
+
+def cfg(**kw) -> SimConfig:
+    base = dict(max_new_tokens=100, include_prefill=False, max_run_ahead=16, max_verify=16)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+# ------------------------------------------------------------------------------ known answers
+def test_one_stage_ar_is_forward_plus_overhead():
+    prof = replace(TARGET, overhead_s=1 * MS, prefill_base_s=50 * MS)
+    r = simulate([prof], (), cfg(method="ar", max_new_tokens=40))
+    assert r.n_tokens == 40 and r.lossless
+    assert r.wall_s == pytest.approx(40 * 11 * MS)
+    r = simulate([prof], (), cfg(method="ar", max_new_tokens=40, include_prefill=True))
+    assert r.wall_s == pytest.approx(50 * MS + 40 * 11 * MS)
+
+
+def test_ar_ignores_the_drafters():
+    r = simulate([DRAFT, TARGET], [0.5], cfg(method="ar", max_new_tokens=20))
+    assert r.ms_per_token == pytest.approx(10.0)
+    assert r.stages[0].forward_calls == 0
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_sd_alpha_one_commits_whole_windows(gamma):
+    # every draft accepted: a cycle is gamma drafts then one verification, gamma + 1 tokens
+    n = 20 * (gamma + 1)
+    r = simulate([DRAFT, TARGET], [1.0], cfg(method="sd", lookahead=gamma, max_new_tokens=n))
+    cycle = gamma * 1 * MS + TARGET.forward_s(gamma)
+    assert r.wall_s == pytest.approx(20 * cycle)
+    assert r.stages[1].verify_trace == [[gamma, gamma]] * 20
+    assert r.stages[0].rollbacks == 0 and r.lossless
+
+
+def test_sd_alpha_zero_commits_one_token_per_window():
+    r = simulate([DRAFT, TARGET], [0.0], cfg(method="sd", lookahead=4, max_new_tokens=30))
+    assert r.stages[1].tokens_accepted == 0
+    # one token per window of min(4, budget - 1) drafts; the last token is a step of its own
+    windows = [min(4, 30 - n - 1) for n in range(30)]
+    expected = sum(w * MS + TARGET.forward_s(w) if w else TARGET.forward_s(1) for w in windows)
+    assert r.wall_s == pytest.approx(expected)
+    assert r.lossless
+
+
+def test_sd_latency_adds_a_round_trip_per_window():
+    lat = 0.5 * MS
+    r = simulate([DRAFT, TARGET], [1.0], cfg(method="sd", lookahead=4, max_new_tokens=50, latency_s=lat))
+    assert r.wall_s == pytest.approx(10 * (4 * MS + TARGET.forward_s(4) + 2 * lat))
+
+
+def test_pipespec_alpha_zero_accepts_nothing_and_stays_lossless():
+    r = simulate([DRAFT, TARGET], [0.0], cfg(method="pipespec", lookahead=0, max_new_tokens=50))
+    assert r.stages[1].tokens_accepted == 0
+    assert r.lossless and r.n_tokens == 50
+
+
+def test_pipespec_alpha_one_runs_at_the_drafters_speed():
+    # zero communication cost and a target whose verification costs the same for any number of
+    # tokens: the pipeline is as fast as its drafter once the target keeps up (SD would pay the
+    # drafts and the verification in turn)
+    flat = LatencyProfile("flat-target", ((1, 8 * MS),))
+    c = cfg(method="pipespec", lookahead=0, max_new_tokens=600, max_run_ahead=64, max_verify=64)
+    r = simulate([DRAFT, flat], [1.0], c)
+    assert r.lossless and r.stages[0].rollbacks == 0
+    assert r.ms_per_token == pytest.approx(1.0, rel=0.05)
+    sd = simulate([DRAFT, flat], [1.0], replace(c, method="sd", lookahead=8))
+    assert sd.ms_per_token == pytest.approx((8 * 1 + 8) / 9, rel=0.01)
+
+
+def test_pipespec_beats_sd_when_drafts_are_good_and_communication_free():
+    # (not in general: with alpha ~0.85 and this target, lookahead 0's own steps lose to SD)
+    acc = [0.95]
+    p = simulate([DRAFT, TARGET], acc, cfg(method="pipespec", lookahead=0, max_new_tokens=300))
+    s = simulate([DRAFT, TARGET], acc, cfg(method="sd", lookahead=4, max_new_tokens=300))
+    assert p.ms_per_token < 0.85 * s.ms_per_token < 10.0
+
+
+def test_blocking_header_reads_serialise_the_drafter():
+    c = cfg(method="pipespec", lookahead=0, max_new_tokens=200, latency_s=0.1 * MS)
+    free = simulate([DRAFT, TARGET], [0.8], c)
+    blocked = simulate([DRAFT, TARGET], [0.8], replace(c, blocking_reads=True))
+    assert blocked.ms_per_token > free.ms_per_token
+    assert blocked.stages[0].blocked_s > 0 and free.stages[0].blocked_s == 0
+    assert blocked.lossless
+
+
+# ------------------------------------------------------------------------------ accounting
+@pytest.mark.parametrize("method,look", [("pipespec", 0), ("pipespec", 3), ("sd", 3)])
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rollbacks_conserve_tokens(method, look, blocking, seed):
+    c = cfg(
+        method=method,
+        lookahead=look,
+        max_new_tokens=120,
+        latency_s=0.3 * MS,
+        blocking_reads=blocking,
+        seed=seed,
+    )
+    r = simulate([DRAFT, MID, TARGET], [0.6, 0.8], c)
+    assert r.lossless and r.n_tokens == 120
+    for st in r.stages:
+        # generated by its own actions + adopted from downstream = kept + thrown away
+        assert st.token_balance() == 0, st
+        assert st.tokens_discarded >= 0 and st.discarded_s >= 0
+    last = r.stages[-1]
+    assert last.tokens_adopted == 0 and last.tokens_discarded == 0
+    assert last.tokens_generated == r.n_tokens
+    assert sum(n for n, _ in last.verify_trace) == last.tokens_verified
+    assert r.stages[0].rollbacks > 0  # the case exercises rollbacks at all
+
+
+def test_busy_time_is_the_sum_of_forwards():
+    c = cfg(method="pipespec", lookahead=0, max_new_tokens=80, record_timeline=True)
+    r = simulate([DRAFT, TARGET], [0.7], c)
+    for st in r.stages:
+        fw = [e for e in st.timeline if e[2] in ("draft", "verify", "own")]
+        assert len(fw) == st.forward_calls
+        assert sum(e[1] - e[0] for e in fw) == pytest.approx(st.busy_s)
+
+
+# ------------------------------------------------------------------------------ acceptance
+def test_oracle_agreement_frequency_matches_the_rate():
+    o = sim.TokenOracle([0.3, 0.8], seed=7)
+    hs = [sim._mix(i) for i in range(4000)]
+    agree01 = sum(o.token(0, h, 5) == o.token(1, h, 5) for h in hs) / len(hs)
+    agree12 = sum(o.token(1, h, 5) == o.token(2, h, 5) for h in hs) / len(hs)
+    assert agree01 == pytest.approx(0.3, abs=0.03)
+    assert agree12 == pytest.approx(0.8, abs=0.03)
+    assert o.token(0, hs[0], 5) == sim.TokenOracle([0.3, 0.8], seed=7).token(0, hs[0], 5)
+
+
+def test_recorded_traces_decide_on_the_target_path():
+    trace = {p: (p % 5 != 4) for p in range(200)}  # a rejection every fifth position
+    c = cfg(method="sd", lookahead=8, max_new_tokens=100)
+    r = simulate([DRAFT, TARGET], Acceptance((0.0,), (trace,)), c)
+    # windows of 8 from a position p = 5k reject at 5k + 4: 4 accepted, 5 tokens per verification
+    # (the last window is cut to 4 so that the bonus token still fits in 100)
+    assert r.stages[1].verify_trace == [[8, 4]] * 19 + [[4, 4]]
+
+
+def test_profile_interpolation_and_context():
+    p = LatencyProfile("x", ((1, 1.0), (3, 2.0)), per_ctx_s=0.01, ctx_ref=100)
+    assert p.forward_s(2, 100) == pytest.approx(1.5)
+    assert p.forward_s(5, 100) == pytest.approx(3.0)  # extrapolated with the last slope
+    assert p.forward_s(1, 200) == pytest.approx(2.0)
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError):
+        SimConfig(method="sd", lookahead=0)
+    with pytest.raises(ValueError):
+        simulate([DRAFT, TARGET], [0.5, 0.5], cfg())
+    with pytest.raises(ValueError):
+        simulate([DRAFT, LatencyProfile("lk", kind="lookup")], [0.5], cfg())
+
+
+def test_lookup_drafter_proposes_many_tokens_per_call():
+    lk = LatencyProfile("lookup", ((1, 1e-5),), kind="lookup", max_proposal=8, lookup_hit_rate=0.5)
+    r = simulate([lk, TARGET], [0.7], cfg(method="pipespec", lookahead=1, max_new_tokens=100))
+    assert r.lossless and r.stages[0].forward_calls == 0 and r.stages[0].draft_steps > 0
+
+
+# ------------------------------------------------------------------------------ calibration
+def _as_run(tmp: Path, results: list[sim.SimResult], prompt_len: int, look: int) -> Path:
+    """Write simulated prompts as a run directory in the real pipeline's record format."""
+    lines = []
+    for i, r in enumerate(results):
+        stages = []
+        for s in r.stages:
+            d = {k: getattr(s, k) for k in ("stage", "model", "forward_calls", "draft_steps", "own_steps",
+                                            "verifications", "tokens_accepted", "verify_trace", "timeline",
+                                            "commit_times", "busy_s", "wait_s")}  # fmt: skip
+            stages.append(d)
+        lines.append(json.dumps({
+            "prompt_id": f"p{i}", "replica": 0, "method": r.method, "warmup": False,
+            "prompt_ids": [1] * prompt_len, "output_ids": [], "n_new_tokens": r.n_tokens,
+            "wall_s": r.wall_s, "ms_per_token": r.ms_per_token, "lookahead": look,
+            "max_new_tokens": r.n_tokens, "models": [s.model for s in r.stages], "stages": stages,
+        }))  # fmt: skip
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "results.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp
+
+
+def _synthetic_run(tmp: Path) -> Path:
+    draft = replace(DRAFT, overhead_s=0.3 * MS, prefill_per_token_s=0.01 * MS)
+    target = replace(TARGET, overhead_s=0.5 * MS, prefill_per_token_s=0.05 * MS)
+    results = []
+    for method, look in (("ar", 0), ("sd", 3), ("pipespec", 2)):
+        for seed in range(3):
+            c = SimConfig(method=method, lookahead=look, max_new_tokens=64, prompt_len=40, latency_s=0.4 * MS,
+                          blocking_reads=True, record_timeline=True, seed=seed)  # fmt: skip
+            results.append(simulate([draft, target], [0.75], c))
+    return _as_run(tmp, results, prompt_len=40, look=2)
+
+
+def _fix_lookahead(run: Path) -> None:
+    lines = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
+    for r in lines:
+        r["lookahead"] = {"ar": 0, "sd": 3, "pipespec": 2}[r["method"]]
+    (run / "results.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+
+
+def test_calibration_recovers_a_synthetic_run(tmp_path):
+    run = _synthetic_run(tmp_path / "run")
+    _fix_lookahead(run)
+    res = sim.predict_run(run)
+    assert set(res) == {"ar", "sd", "pipespec"}
+    for m, row in res.items():
+        assert row["predicted_ms_per_token"] == pytest.approx(row["measured_ms_per_token"], rel=0.05), m
+    assert res["pipespec"]["overhead_ms"][0] == pytest.approx(0.3, rel=0.2)
+    assert res["sd"]["acceptance"][0] == pytest.approx(0.75, abs=0.1)
+
+
+def test_cli_from_run_json(tmp_path, capsys):
+    run = _synthetic_run(tmp_path / "run")
+    _fix_lookahead(run)
+    assert sim.main(["--from", str(run), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"ar", "sd", "pipespec"}
+    assert set(out["sd"]) == {"measured_ms_per_token", "predicted_ms_per_token"}
+    assert sim.main(["--from", str(run)]) == 0
+    assert "predicted" in capsys.readouterr().out
+    assert sim.main(["--from", str(tmp_path / "nope")]) == 2
+
+
+def test_cli_paper_preset_json():
+    # the module entry point as documented, one seed to keep it quick
+    proc = subprocess.run([sys.executable, "-m", "pipespec_mpi.simulate", "--preset", "paper", "--json",
+                           "--seeds", "1"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["method"] for r in rows] == ["ar", "sd", "sd", "sd", "pipespec", "pipespec", "pipespec"]
+    for r in rows:
+        assert set(r) == {"method", "models", "speedup", "ms_per_token"}
+        assert r["models"][-1] == "70B"
+    assert rows[0]["speedup"] == pytest.approx(1.0)
+    assert rows[0]["ms_per_token"] == pytest.approx(123.69)
+    best_sd = max(r["speedup"] for r in rows if r["method"] == "sd")
+    assert all(r["speedup"] > best_sd for r in rows if r["method"] == "pipespec")
+
+
+def test_paper_trace_is_rebuilt_from_committed_counts():
+    t = sim.committed_to_trace([3, 1, 2], boundary=False)
+    assert t == {0: True, 1: True, 2: False, 3: False, 4: True, 5: False}
+    assert 2 not in sim.committed_to_trace([3, 1, 2])
