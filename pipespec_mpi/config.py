@@ -157,6 +157,7 @@ class RunConfig:
     resume: bool = False
     stall_timeout_s: float = 120.0
     progress: bool = True
+    epochs_window: str = "auto"  # auto: shared memory when every pipeline is node-local; rma
 
 
 @dataclass(frozen=True)
@@ -361,6 +362,8 @@ def validate(cfg: AppConfig) -> list[str]:
     for m in r.methods:
         if m not in METHODS:
             p.append(f"run.methods: {m!r} is not one of {METHODS}")
+    if r.epochs_window not in ("auto", "rma"):
+        p.append(f"run.epochs_window={r.epochs_window!r}: must be auto or rma")
     if r.stall_timeout_s <= 0:
         p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
     return p

@@ -20,7 +20,7 @@ from pipespec_mpi import metrics
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.wait import wait_until
-from pipespec_mpi.comm.window import EpochWindow
+from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
 from pipespec_mpi.errors import UserError
@@ -210,7 +210,15 @@ class Runner:
             if pl.upstream is not None else None
         )  # fmt: skip
         max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
-        self.window = EpochWindow(self.comm, max_tokens)
+        # Every pipeline on one node (the usual case): a shared-memory window whose reads never
+        # wait for the owner. Pipelines spanning nodes: the passive-target RMA window.
+        hosts = self.comm.allgather(self.world.hostname)
+        local = all(hosts[r] == hosts[r - r % pl.n_stages] for r in range(len(hosts)))
+        self.node_comm = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.world.rank)
+        if local and cfg.run.epochs_window != "rma":
+            self.window = SharedEpochWindow(self.node_comm, max_tokens, self.world.rank)
+        else:
+            self.window = EpochWindow(self.comm, max_tokens)
         self.replica_comm = self.comm.Split(color=pl.replica, key=pl.stage)
         role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
         self.loop = StageLoop(
@@ -354,6 +362,7 @@ class Runner:
             self.receiver.close(lambda c, w: wait_until(c, self.cfg.run.stall_timeout_s, w))
         self.window.free()
         self.replica_comm.Free()
+        self.node_comm.Free()
 
     def _finalize(self) -> None:
         records = []

@@ -9,12 +9,21 @@ Each rank exposes one int64 window: a header, then its committed (generated) tok
   header[4] want     SD only: the position up to which this stage wants proposals (0 = none)
   header[5] idle     1 when this stage cannot produce more right now (cap reached, no lookup hit)
 
-The owner writes its own window under an exclusive lock; others read under a shared lock, so a
-reader always sees a header consistent with the tokens.
+Two implementations with one interface:
+
+``SharedEpochWindow`` (the default when every pipeline sits on one node): ``MPI.Win.Allocate_shared``
+on the node; readers load the owner's segment directly, consistency by a sequence lock (header[7]
+odd while the owner writes; a reader retries on a change). A read never waits for the owner.
+
+``EpochWindow`` (pipelines across nodes): ``MPI.Win.Allocate`` with passive-target Lock / Get /
+Unlock. Under MPICH a Get is only served when the owner enters MPI, so a read can wait for the
+owner's current forward; measured here: 0.03 ms against an idle owner, up to a forward's length
+against a busy one. Hence the shared window wherever it applies.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +32,7 @@ import numpy as np
 
 HEADER = 8
 PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE = range(6)
+SEQ = 7  # sequence lock of the shared window
 
 
 @dataclass(frozen=True)
@@ -109,5 +119,81 @@ class EpochWindow:
     def free(self) -> None:
         if self.win is not None:
             self.local = None
+            self.win.Free()
+            self.win = None
+
+
+class SharedEpochWindow:
+    """Node-local epochs window: direct loads from the owner's shared segment, never blocking.
+
+    Every rank of ``node_comm`` must construct (and free) it together; ``world_ranks`` maps the
+    world ranks that will be read to their rank in ``node_comm``.
+    """
+
+    def __init__(self, node_comm, max_tokens: int, world_rank: int) -> None:
+        from mpi4py import MPI
+
+        self.max_tokens = max_tokens
+        self.win = MPI.Win.Allocate_shared((HEADER + max_tokens) * 8, 8, comm=node_comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch so that Sync() is a memory barrier
+        node_of = node_comm.allgather(world_rank)
+        self._views = {}
+        for node_rank, wr in enumerate(node_of):
+            buf, _ = self.win.Shared_query(node_rank)
+            self._views[wr] = np.frombuffer(buf, dtype=np.int64, count=HEADER + max_tokens)
+        self.local = self._views[world_rank]
+        self.local[:] = 0
+        self.local[PROMPT] = -1
+        self.win.Sync()
+        node_comm.Barrier()
+
+    def publish(
+        self,
+        *,
+        prompt: int,
+        epoch: int,
+        tokens: Sequence[int],
+        dirty_from: int,
+        done: bool = False,
+        want: int = 0,
+        idle: bool = False,
+    ) -> None:
+        n = len(tokens)
+        if n > self.max_tokens:
+            raise ValueError(f"{n} committed tokens exceed the window's {self.max_tokens}")
+        loc = self.local
+        loc[SEQ] += 1  # odd: writing
+        self.win.Sync()
+        if dirty_from < n:
+            loc[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
+        loc[:6] = (prompt, epoch, n, int(done), want, int(idle))
+        self.win.Sync()
+        loc[SEQ] += 1  # even: consistent
+
+    def _read(self, rank: int, with_tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        view = self._views[rank]
+        while True:
+            s1 = int(view[SEQ])
+            if s1 % 2 == 0:
+                self.win.Sync()
+                hdr = view[:HEADER].copy()
+                toks = view[HEADER : HEADER + int(hdr[LENGTH])].copy() if with_tokens else None
+                self.win.Sync()
+                if int(view[SEQ]) == s1:
+                    return hdr, toks
+            time.sleep(0)  # the owner is mid-write (microseconds): yield and retry
+
+    def header(self, rank: int) -> Header:
+        return Header.of(self._read(rank, False)[0])
+
+    def snapshot(self, rank: int) -> tuple[Header, list[int]]:
+        hdr, toks = self._read(rank, True)
+        return Header.of(hdr), toks.tolist()
+
+    def free(self) -> None:
+        if self.win is not None:
+            self._views = {}
+            self.local = None
+            self.win.Unlock_all()
             self.win.Free()
             self.win = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.wait import Backoff, StallError
-from pipespec_mpi.comm.window import EpochWindow, Header
+from pipespec_mpi.comm.window import EpochWindow, Header, SharedEpochWindow
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.spec.greedy import Verdict, verify_against
 from pipespec_mpi.spec.sampling import Sampler
@@ -93,7 +93,7 @@ class StageLoop:
         self,
         role: StageRole,
         model,  # Scorer or Proposer
-        window: EpochWindow,
+        window: EpochWindow | SharedEpochWindow,
         sender: Sender | None,
         receiver: Receiver | None,
         decode: DecodeConfig,
