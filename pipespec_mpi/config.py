@@ -73,6 +73,7 @@ class StageConfig:
     layers: int | None = None
     noise: float = 0.0
     copy_of: int | None = None
+    flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     ngram: int = 3
     max_proposal: int = 8
 

@@ -130,6 +130,10 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     if stage.kind == "int8_copy":
         device = torch.device("cpu")
     model = _load_torch_model(hier, index, device, cuda_devices)
+    if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
+        from pipespec_mpi.models.flat_linear import use_flat_linear
+
+        use_flat_linear(model)
     return KVScorer(stage.name, model, device)
 
 
