@@ -8,9 +8,9 @@ accumulators per weight row (AVX2 FMA), so the weights are read from memory once
 
 Each output element is the same dot product, accumulated in the same order, whatever M >= 2 is.
 One row keeps torch's GEMV (memory-bound already; the AR baseline keeps torch's numerics), so
-a 1-token and a k-token forward may round differently, exactly as with stock torch. The kernel
-is compiled once per machine (torch.utils.cpp_extension, cached in ~/.cache/torch_extensions); if compilation is
-not possible the model keeps PyTorch's own matmul and a warning says so.
+a 1-token and a k-token forward may round differently, exactly as with stock torch.
+The kernel is compiled once per machine (torch.utils.cpp_extension, cached in
+~/.cache/torch_extensions); where it cannot be, the model keeps torch's matmul and a warning says so.
 """
 
 from __future__ import annotations

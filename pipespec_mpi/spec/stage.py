@@ -58,6 +58,8 @@ class StageStats:
     busy_s: float = 0.0
     wait_s: float = 0.0
     prefill_s: float = 0.0
+    t0_perf_counter: float = 0.0  # this rank's time.perf_counter() at the prompt start (shared
+    # clock across the processes of one node; timeline times are relative to it)
     verify_trace: list[list[int]] = field(default_factory=list)  # [n_proposed, n_accepted]
     timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
@@ -348,6 +350,7 @@ class StageLoop:
         self.inbox = Inbox()
         self._wait = self._wait_fn()
         self.t_start = time.perf_counter()
+        self.stats.t0_perf_counter = self.t_start
         if method == "ar" and not self.role.is_last:  # AR: the last model alone; others idle
             self._publish(done=True)
             return StageOutcome(tokens=[], finish_reason="idle", stats=self.stats)
