@@ -19,7 +19,7 @@ from pathlib import Path
 from pipespec_mpi import metrics
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
-from pipespec_mpi.comm.wait import wait_until
+from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
@@ -231,6 +231,7 @@ class Runner:
         """Wait without spinning; keep draining proposals so the upstream's sends complete."""
 
         def check() -> bool:
+            self.window.beat()
             if self.receiver is not None:
                 self.receiver.poll()
             return cond()
@@ -324,7 +325,10 @@ class Runner:
         bar = self._progress(len(jobs))
         for i, job in enumerate(jobs):
             maybe_fail(self.world.rank, i)
-            rec = self._run_job(job)
+            try:
+                rec = self._run_job(job)
+            except StallError as err:
+                raise StallError(f"{err}{self._culprits()}") from err
             if rec is not None:
                 part.write(json.dumps(rec) + "\n")
                 part.flush()
@@ -349,6 +353,19 @@ class Runner:
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
         self._close()
+
+    def _culprits(self) -> str:
+        """Which peers of this replica stopped answering, judged by their heartbeats."""
+        limit = self.cfg.run.stall_timeout_s / 2
+        stale = []
+        for s, r in enumerate(self.pl.replica_ranks()):
+            age = self.window.heartbeat_age_s(r)
+            if r != self.world.rank and age > limit:
+                name = self.cfg.hierarchy.stages[s].name
+                stale.append(
+                    f"rank {r} (stage {s}, {name}) stopped answering: last heartbeat {age:.0f} s ago"
+                )
+        return "; " + "; ".join(stale) if stale else "; no peer's heartbeat is stale (a slow forward?)"
 
     def _progress(self, total: int):
         if not (self.cfg.run.progress and self.pl.is_last and self.pl.replica == 0):

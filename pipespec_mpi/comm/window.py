@@ -32,7 +32,12 @@ import numpy as np
 
 HEADER = 8
 PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE = range(6)
+BEAT = 6  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
 SEQ = 7  # sequence lock of the shared window
+
+
+def now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class EpochWindow:
         with self.locked(self.rank, exclusive=True):
             self.local[:] = 0
             self.local[PROMPT] = -1
+            self.local[BEAT] = now_ms()
         self._hdr = np.empty(HEADER, dtype=np.int64)
 
     @contextmanager
@@ -116,6 +122,16 @@ class EpochWindow:
                 self.win.Get(buf[:n], rank, target=(HEADER, n, MPI.INT64_T))
         return Header.of(self._hdr), buf[:n].tolist()
 
+    def beat(self) -> None:
+        """Refresh this rank's heartbeat (a single aligned int64 store)."""
+        self.local[BEAT] = now_ms()
+
+    def heartbeat_age_s(self, rank: int) -> float:
+        MPI = self._MPI
+        with self.locked(rank):
+            self.win.Get(self._hdr, rank, target=(0, HEADER, MPI.INT64_T))
+        return (now_ms() - int(self._hdr[BEAT])) / 1000
+
     def free(self) -> None:
         if self.win is not None:
             self.local = None
@@ -144,6 +160,7 @@ class SharedEpochWindow:
         self.local = self._views[world_rank]
         self.local[:] = 0
         self.local[PROMPT] = -1
+        self.local[BEAT] = now_ms()
         self.win.Sync()
         node_comm.Barrier()
 
@@ -185,6 +202,13 @@ class SharedEpochWindow:
 
     def header(self, rank: int) -> Header:
         return Header.of(self._read(rank, False)[0])
+
+    def beat(self) -> None:
+        """Refresh this rank's heartbeat (a single aligned int64 store, outside the seqlock)."""
+        self.local[BEAT] = now_ms()
+
+    def heartbeat_age_s(self, rank: int) -> float:
+        return (now_ms() - int(self._views[rank][BEAT])) / 1000
 
     def snapshot(self, rank: int) -> tuple[Header, list[int]]:
         hdr, toks = self._read(rank, True)

@@ -118,6 +118,7 @@ class StageLoop:
         def wait(cond, what):
             backoff, t0 = Backoff(), time.monotonic()
             while not cond():
+                self.win.beat()
                 if time.monotonic() - t0 > self.stall_timeout_s:
                     raise StallError(f"stage {self.role.stage}: {what} for {self.stall_timeout_s} s")
                 backoff.sleep()
@@ -369,6 +370,7 @@ class StageLoop:
         last_progress = time.monotonic()
         self._wait_t0: float | None = None
         while True:
+            self.win.beat()
             if self.role.downstream is not None and self._sync_downstream():
                 return "done"
             if self.receiver is not None and method != "ar":

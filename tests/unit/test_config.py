@@ -20,7 +20,7 @@ def typed(*overrides: str):
 def test_default_composes():
     c = typed()
     assert c.hierarchy.n_stages == 3
-    assert c.method.name == "pipespec" and c.decode.lookahead == 0
+    assert c.method.name == "pipespec" and c.decode.lookahead == 2
 
 
 def test_overrides_reach_their_components():
