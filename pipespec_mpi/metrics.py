@@ -89,6 +89,7 @@ def summarize(records: Iterable[dict]) -> dict:
                 "busy_fraction": sum(x["busy_s"] + x["prefill_s"] for x in st) / wall if wall else 0.0,
             })  # fmt: skip
         lat = [x for r in rs for x in token_latencies(r["stages"][-1]["commit_times"])]
+        energy = _energy(rs, tokens)
         out[method] = {
             "n_prompts": len(rs),
             "n_tokens": tokens,
@@ -100,8 +101,29 @@ def summarize(records: Iterable[dict]) -> dict:
             "acceptance": pairs,
             "mean_accepted_per_verification": {k: v["mean_accepted"] for k, v in pairs.items()},
             "stages": stages,
+            "peak_rss_mb": [max(r["stages"][s].get("peak_rss_mb", 0.0) for r in rs) for s in range(n_stages)],
+            **energy,
         }
     return out
+
+
+def _energy(rs: list[dict], tokens: int) -> dict:
+    """Energy per token from NVML samples (GPU runs only): per GPU (mean over the GPUs, as the
+    paper's figure) and summed over the system."""
+    per_gpu: dict[tuple[int, int], float] = {}
+    for r in rs:
+        for st in r["stages"]:
+            for g in st.get("gpus") or []:
+                key = (st["rank"], g["device"])
+                per_gpu[key] = per_gpu.get(key, 0.0) + g["energy_j"]
+    if not per_gpu or not tokens:
+        return {}
+    total = sum(per_gpu.values())
+    return {
+        "energy_j_per_token_system": total / tokens,
+        "energy_j_per_token_per_gpu": total / tokens / len(per_gpu),
+        "n_gpus_measured": len(per_gpu),
+    }
 
 
 def benchmark_table(records: Iterable[dict], methods: Sequence[str]) -> dict:

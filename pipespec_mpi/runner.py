@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 import zlib
 from dataclasses import dataclass
@@ -159,6 +160,9 @@ class Runner:
             *(pl.stage, stage_cfg.name, time.perf_counter() - t0, self.threads, self.transport),
         )
         self._check_vocab()
+        from pipespec_mpi.gpu_monitor import GpuMonitor
+
+        self.gpu_monitor = GpuMonitor(self.cuda_devices if torch.cuda.is_available() else [])
 
     def _check_tokenizers(self) -> None:
         """Every stage must use the hierarchy's token ids: compare tokenizer fingerprints."""
@@ -286,9 +290,12 @@ class Runner:
     def _run_job(self, job: Job) -> dict | None:
         self.loop.reset(job.seq)
         self._barrier(self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}")
+        self.gpu_monitor.start()
         t0 = time.perf_counter()
         outcome = self.loop.run(job.seq, job.prompt_ids, job.method, sampler_for(self.cfg, job))
         t_wall = time.perf_counter() - t0
+        outcome.stats.gpus = self.gpu_monitor.stop()
+        outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return self._collect(job, outcome, t_wall)
 
     # ------------------------------------------------------------------ the job

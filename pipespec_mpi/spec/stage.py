@@ -63,6 +63,8 @@ class StageStats:
     verify_trace: list[list[int]] = field(default_factory=list)  # [n_proposed, n_accepted]
     timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
+    peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
+    gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

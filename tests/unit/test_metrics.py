@@ -46,3 +46,17 @@ def test_summary_and_benchmark_speedups():
     assert b["pipespec"]["speedup_per_prompt"]["median"] == pytest.approx(3.0)
     assert b["pipespec"]["speedup_per_prompt"]["min"] == pytest.approx(2.0)
     assert b["pipespec"]["speedup_per_prompt"]["max"] == pytest.approx(4.0)
+
+
+def test_energy_integration_and_per_token_accounting():
+    from pipespec_mpi.gpu_monitor import integrate_energy
+
+    assert integrate_energy([(0.0, 100.0), (1.0, 200.0), (2.0, 200.0)]) == pytest.approx(350.0)
+    r = _rec("sd", "a", 10, 1.0)
+    r["stages"][0]["rank"], r["stages"][1]["rank"] = 0, 1
+    r["stages"][0]["gpus"] = [{"device": 0, "energy_j": 30.0}]
+    r["stages"][1]["gpus"] = [{"device": 1, "energy_j": 50.0}]
+    s = summarize([r])["sd"]
+    assert s["energy_j_per_token_system"] == pytest.approx(8.0)
+    assert s["energy_j_per_token_per_gpu"] == pytest.approx(4.0)
+    assert "energy_j_per_token_system" not in summarize([_rec("ar", "a", 10, 1.0)])["ar"]
