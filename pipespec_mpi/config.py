@@ -139,6 +139,7 @@ class SamplingConfig:
     top_p: float = 1.0
     num_samples: int = 1
     seed: int = 0
+    coupling: str = "leviathan"  # leviathan (min(1, p/q) rule) | gumbel (shared noise, reproducible)
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,8 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)")
     if not 0 < s.top_p <= 1:
         p.append(f"sampling.top_p={s.top_p}: must be in (0, 1]")
+    if s.coupling not in ("leviathan", "gumbel"):
+        p.append(f"sampling.coupling={s.coupling!r}: must be leviathan or gumbel")
     if not _int(s.num_samples) or s.num_samples < 1:
         p.append(f"sampling.num_samples={s.num_samples}: must be an integer >= 1")
 

@@ -166,7 +166,7 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
         target=names[-1],
         latency_s=lat,
         up_latency_s=up,
-        blocking_reads=True,
+        blocking_reads=False,  # header reads of the shared-memory epochs window never wait
         hierarchy=hier,
         stage_defs=stage_defs_of(hier),
         source=f"{run_dir} ({method} records)",

@@ -95,7 +95,7 @@ def sampler_for(cfg: AppConfig, job: Job) -> Sampler:
     method and every rerun of the same sample draws the same tokens."""
     s = cfg.sampling
     key = mix(s.seed, zlib.crc32(job.prompt_id.encode()), job.sample_idx)
-    return Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, key=key)
+    return Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, key=key, coupling=s.coupling)
 
 
 def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str, int]]) -> list[Job]:
@@ -188,6 +188,14 @@ class Runner:
                 "or max_new_tokens"
             )
         got = self.comm.allgather((self.pl.stage, name, vocab))
+        widths = {v for _, _, v in got if v is not None}
+        self.vocab = max(widths)
+        if (
+            len(widths) > 1
+            and self.cfg.sampling.temperature > 0
+            and self.cfg.sampling.coupling == "leviathan"
+        ):
+            raise TokenizerMismatch(f"sampling needs equal logit widths across stages, got {sorted(widths)}")
         need = self.tokenizer.vocab_size
         bad = [
             f"stage {s} ({n}): model vocabulary {v} < tokenizer's {need}"
@@ -205,14 +213,17 @@ class Runner:
 
             device = torch.device(f"cuda:{self.cuda_devices[0]}")
         t = cfg.transport
+        # Leviathan sampling: each proposal carries the float32 distribution it was drawn from.
+        leviathan = cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan"
+        dist_width = self.vocab if leviathan else 0
+        width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
+        chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width)
         self.sender = (
-            Sender(self.transport, self.comm, pl.downstream, t.depth, t.max_msg_tokens, device)
-            if pl.downstream is not None else None
-        )  # fmt: skip
+            Sender(self.transport, self.comm, pl.downstream, **chan) if pl.downstream is not None else None
+        )
         self.receiver = (
-            Receiver(self.transport, self.comm, pl.upstream, t.depth, t.max_msg_tokens, device)
-            if pl.upstream is not None else None
-        )  # fmt: skip
+            Receiver(self.transport, self.comm, pl.upstream, **chan) if pl.upstream is not None else None
+        )
         max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
         # Every pipeline on one node (the usual case): a shared-memory window whose reads never
         # wait for the owner. Pipelines spanning nodes: the passive-target RMA window.
@@ -227,7 +238,7 @@ class Runner:
         role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
         self.loop = StageLoop(
             role, self.model, self.window, self.sender, self.receiver, cfg.decode,
-            self.tokenizer.eos_token_id, cfg.run.stall_timeout_s,
+            self.tokenizer.eos_token_id, cfg.run.stall_timeout_s, vocab=self.vocab,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ per prompt
@@ -268,6 +279,8 @@ class Runner:
             "warmup": job.warmup,
             "sample_idx": job.sample_idx,
             "temperature": self.cfg.sampling.temperature,
+            "coupling": self.cfg.sampling.coupling,
+            "bytes_sent": [s.get("bytes_sent", 0) for s in stats],
             "seq": job.seq,
             "prompt_ids": job.prompt_ids,
             "output_ids": outcome.tokens,

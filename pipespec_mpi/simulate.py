@@ -112,12 +112,15 @@ class TokenOracle:
         self._canonical_upto(n)
         return self._canon_tok[:n]
 
+    def on_path(self, h: int, pos: int) -> bool:
+        """Whether prefix ``h`` of ``pos`` tokens is the target's own output so far."""
+        self._canonical_upto(pos)
+        return self._canon_h[pos] == h
+
     def agree(self, pair: int, h: int, pos: int) -> bool:
         tr = self.traces[pair]
-        if tr is not None and pos in tr:
-            self._canonical_upto(pos)
-            if self._canon_h[pos] == h:
-                return tr[pos]
+        if tr is not None and pos in tr and self.on_path(h, pos):
+            return tr[pos]
         return _unit(h ^ self._salt[pair]) < self.rates[pair]
 
     def token(self, stage: int, h: int, pos: int) -> int:
@@ -139,7 +142,9 @@ class LatencyProfile:
     (n, seconds) pairs, linearly interpolated and extrapolated with the last segment's slope (a
     single point means a flat profile). ``overhead_s`` is the loop's own cost after each action.
     kind="lookup" is a model-free drafter proposing up to ``max_proposal`` tokens per call, each
-    call finding a continuation with probability ``lookup_hit_rate``.
+    call finding a continuation with probability ``lookup_hit_rate``, or ``lookup_chain_rate``
+    (default: the same) when it continues its own previous proposal (copying from the same source,
+    a real lookup usually finds the next n-gram too).
     """
 
     name: str = "stage"
@@ -152,6 +157,7 @@ class LatencyProfile:
     kind: str = "model"
     max_proposal: int = 8
     lookup_hit_rate: float = 1.0
+    lookup_chain_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -187,6 +193,9 @@ class Acceptance:
 
     rates: tuple[float, ...]
     traces: tuple[Mapping[int, bool] | None, ...] = ()
+    # a lookup stage 0 on the target's output path: position -> proposal length (0: a miss),
+    # as the run's lookup did there; other positions draw hits from ``lookup_hit_rate``
+    lookup: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -331,6 +340,7 @@ class _Stage:
         self.resumed_read: int | None = None  # the stage whose header read just unblocked
         self.blocked_t0 = 0.0
         self.wait_t0: float | None = None
+        self.chain_end = -1  # a lookup stage's length after its last proposal (none adopted since)
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -397,11 +407,22 @@ class _Stage:
 
     def _lookup(self, t: float, limit: int) -> float | None:
         # whether the n-gram recurs is a property of the context: a miss lasts until the context
-        # changes (the downstream commits a token and this stage adopts it)
-        if _unit(self.hashes[-1] ^ 0x100C0B) >= self.prof.lookup_hit_rate:
-            return None
-        n = min(limit, self.prof.max_proposal)
+        # changes (the downstream commits a token and this stage adopts it); on the target's
+        # path, where the run's lookup was seen to hit or miss, it does the same
         oracle, h, toks = self.eng.oracle, self.hashes[-1], []
+        seen = self.eng.lookup.get(len(self.out)) if self.eng.lookup else None
+        if seen is not None and not oracle.on_path(h, len(self.out)):
+            seen = None
+        if seen is None:
+            rate = self.prof.lookup_hit_rate
+            if self.chain_end == len(self.out) and self.prof.lookup_chain_rate is not None:
+                rate = self.prof.lookup_chain_rate
+            if _unit(h ^ 0x100C0B) >= rate:
+                return None
+            seen = self.prof.max_proposal
+        if seen <= 0:
+            return None
+        n = min(limit, seen)
         for q in range(n):
             tok = oracle.token(self.i, h, len(self.out) + q)
             toks.append(tok)
@@ -409,6 +430,7 @@ class _Stage:
         dur = self.prof.forward_s(n, self._ctx())
         self.stats.draft_steps += 1
         self._commit(toks, dur, t + dur)
+        self.chain_end = len(self.out)
         self._event(t, t + dur, "draft", n)
         return dur
 
@@ -471,6 +493,7 @@ class _Stage:
             self.stats.tokens_adopted += len(a.tokens) - a.keep
             self.cost = self.cost[: a.keep] + [0.0] * (len(a.tokens) - a.keep)
             self._set_out(a.tokens, a.keep)
+            self.chain_end = -1
             if epoch_changed:
                 self.seen_down_epoch = h.epoch
                 self.sent = min(len(self.out), len(theirs))
@@ -628,6 +651,7 @@ class _Engine:
             raise ValueError(f"method={cfg.method} needs at least two stages")
         self.profiles, self.cfg = list(profiles), cfg
         self.oracle = TokenOracle(acceptance.rates, acceptance.traces, seed=cfg.seed)
+        self.lookup = acceptance.lookup
         self.down_lat = self._per_pair(cfg.latency_s, k)
         up = cfg.up_latency_s if cfg.up_latency_s is not None else cfg.latency_s
         self.up_lat = self._per_pair(up, k)
@@ -777,6 +801,25 @@ def _events(stage_rec: dict) -> list[list]:
     return sorted(stage_rec.get("timeline") or [], key=lambda e: (e[0], e[1]))
 
 
+def _offsets(rec: dict) -> list[float] | None:
+    """Per stage: its timeline's start on the last stage's clock, from the records' absolute
+    ``t0_perf_counter`` (one clock for the processes of a node); None when a stage lacks it."""
+    t0 = [sr.get("t0_perf_counter") for sr in rec["stages"]]
+    if any(not isinstance(t, (int, float)) or t <= 0 for t in t0):
+        return None
+    return [float(t) - float(t0[-1]) for t in t0]
+
+
+def _stage_events(rec: dict, stage: int) -> list[list]:
+    """A stage's timeline on the common clock (as recorded when the run has no common clock)."""
+    ev = _events(rec["stages"][stage])
+    off = _offsets(rec)
+    if not off or off[stage] == 0.0:
+        return ev
+    d = off[stage]
+    return [[e[0] + d, e[1] + d, *e[2:]] for e in ev]
+
+
 def _lsq_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     n = len(xs)
     if n < 2:
@@ -846,20 +889,24 @@ def fit_profile(stage_recs: Sequence[dict], name: str, kind: str = "model") -> L
     )
 
 
-def _forwards(stage_rec: dict) -> list[tuple[float, float]]:
-    return [(e[0], e[1]) for e in _events(stage_rec) if e[2] in _ACTIONS or e[2] == "prefill"]
+def _forwards(rec: dict, stage: int) -> list[tuple[float, float]]:
+    return [(e[0], e[1]) for e in _stage_events(rec, stage) if e[2] in _ACTIONS or e[2] == "prefill"]
 
 
-def overhead_samples(rec: dict, stage: int) -> tuple[list[float], list[float]]:
+def overhead_samples(rec: dict, stage: int, blocking_reads: bool = False) -> tuple[list[float], list[float]]:
     """The loop's own cost after an action of a stage (publish, send, the next header read and
-    decision), as (gaps to a next action, gaps to the start of a wait), each less the time a
-    neighbour it reads spent in a forward meanwhile (a header read of a computing stage waits for
-    it; the simulator models that wait separately). Every iteration reads the downstream; a stage
-    that finds nothing to do also reads its upstream's idle flag before it starts waiting."""
+    decision), as (gaps to a next action, gaps to the start of a wait). With ``blocking_reads``
+    (runs made with the old MPI RMA window, whose header read of a computing stage waited for its
+    forward; the simulator models that wait separately) each gap is less the time a neighbour it
+    reads spent in a forward meanwhile: every iteration reads the downstream; a stage that finds
+    nothing to do also reads its upstream's idle flag before it starts waiting."""
     st = rec["stages"]
-    down = _union(_forwards(st[stage + 1])) if stage + 1 < len(st) else []
-    both = _union(down + (_forwards(st[stage - 1]) if stage > 0 else []))
-    ev = [e for e in _events(st[stage]) if e[2] in _ACTIONS or e[2] == "wait"]
+    down: list[tuple[float, float]] = []
+    both: list[tuple[float, float]] = []
+    if blocking_reads:
+        down = _union(_forwards(rec, stage + 1)) if stage + 1 < len(st) else []
+        both = _union(down + (_forwards(rec, stage - 1) if stage > 0 else []))
+    ev = [e for e in _stage_events(rec, stage) if e[2] in _ACTIONS or e[2] == "wait"]
     to_act: list[float] = []
     to_wait: list[float] = []
     for a, b in zip(ev, ev[1:]):
@@ -885,7 +932,7 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def _committed_series(rec: dict, stage: int) -> list[tuple[float, int]]:
     """(action end, committed length after it) for a stage, in time order."""
     p = len(rec.get("prompt_ids") or [])
-    return [(e[1], int(e[4]) - p) for e in _events(rec["stages"][stage]) if e[2] in _ACTIONS]
+    return [(e[1], int(e[4]) - p) for e in _stage_events(rec, stage) if e[2] in _ACTIONS]
 
 
 def _verify_bases(rec: dict, stage: int) -> list[tuple[list, int, int]]:
@@ -917,6 +964,54 @@ def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
     return agree
 
 
+def lookup_trace(rec: dict) -> dict[int, int]:
+    """A lookup stage 0's hits and misses by position: base position -> the longest proposal it
+    drafted from there, or 0 where the next stage took a step of its own from there (its
+    upstream was idle: the lookup found no continuation) and the lookup never drafted from it."""
+    st = rec["stages"]
+    if len(st) < 2:
+        return {}
+    p = len(rec.get("prompt_ids") or [])
+    seen: dict[int, int] = {}
+    for e in _events(st[0]):
+        if e[2] == "draft":
+            b = int(e[4]) - p - int(e[3])
+            seen[b] = max(seen.get(b, 0), int(e[3]))
+    for e in _events(st[1]):
+        if e[2] == "own":
+            seen.setdefault(int(e[4]) - p - 1, 0)
+    return seen
+
+
+def _lookup_chain_rate(recs: Sequence[dict]) -> float | None:
+    """How often a lookup stage 0 that had room after a proposal found a continuation of it (its
+    next draft starts where the proposal ended, before it adopted anything); None without a
+    common clock (the room depends on the downstream's length at that moment)."""
+    chained = tried = 0
+    for rec in recs:
+        if _offsets(rec) is None or len(rec["stages"]) < 2 or rec.get("method") != "pipespec":
+            return None  # (SD: the drafter proposes only what the verifier asks for)
+        p = len(rec.get("prompt_ids") or [])
+        cap = int(rec.get("n_new_tokens") or 0)
+        bound = int(rec.get("max_run_ahead") or 16)
+        down = _committed_series(rec, 1)
+        down_t = [t for t, _ in down]
+        dr = [e for e in _stage_events(rec, 0) if e[2] == "draft"]
+        for k, a in enumerate(dr):
+            end = int(a[4]) - p
+            i = bisect.bisect_right(down_t, a[1]) - 1
+            down_len = down[i][1] if i >= 0 else 0
+            if end >= cap or end - down_len >= bound:
+                continue  # no room: the stage waits, it does not look up
+            nxt = dr[k + 1] if k + 1 < len(dr) else None
+            j = bisect.bisect_right(down_t, nxt[0]) - 1 if nxt else -1
+            if nxt is not None and j != i:
+                continue  # the downstream acted in between: the next lookup may follow an adoption
+            tried += 1
+            chained += nxt is not None and int(nxt[4]) - p - int(nxt[3]) == end
+    return chained / tried if tried else None
+
+
 def _crossing(series: list[tuple[float, int]], length: int, before: float) -> float | None:
     """End time of the upstream action after which its committed length last rose to
     >= ``length`` (among actions ending before ``before``)."""
@@ -928,12 +1023,18 @@ def _crossing(series: list[tuple[float, int]], length: int, before: float) -> fl
     return series[idx][0]
 
 
-def latency_samples(rec: dict, pair: int) -> tuple[list[float], list[float]]:
+_CLOCK_SLACK_S = 0.01  # the most two ranks' barrier exits are assumed apart (records without a clock)
+
+
+def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[float], list[float]]:
     """Delays observed across pair (pair -> pair+1) in one record, as (down, up), each measured
-    on two ranks' clocks (see ``calibrate`` for the offset between them).
+    on two ranks' clocks: the common one when the records carry ``t0_perf_counter``, else each
+    rank's own, stage pair+1's shifted by ``offset_s`` (see ``calibrate``).
 
     down (proposals): a verifier that waited starts verifying; the delay is measured from the
-    end of the upstream action that completed the ``need`` proposals it waited for.
+    end of the upstream action that completed the proposals it waited for: the upstream's last
+    action before the verification, if it ended during the wait (proposals sent before the wait
+    were of an older epoch, or not enough).
     up (headers), only where the upstream is the first stage: after each verification or own
     step of the downstream, the delay to the drafter's first draft that continues the
     downstream's new tokens (a draft starting at the downstream's committed length).
@@ -944,21 +1045,31 @@ def latency_samples(rec: dict, pair: int) -> tuple[list[float], list[float]]:
     method = rec.get("method")
     p = len(rec.get("prompt_ids") or [])
     ups = _committed_series(rec, pair)
+    up_ends = [t for t, _ in ups]
     bases = _verify_bases(rec, pair + 1)
     starts = {id(e): b for e, b, _ in bases}
+    off = _offsets(rec)
+    dv = off[pair + 1] if off else offset_s
     ev = _events(rec["stages"][pair + 1])
     for w, v in zip(ev, ev[1:]):
         if w[2] != "wait" or v[2] != "verify" or id(v) not in starts:
             continue
-        need = int(v[3]) if method == "sd" else max(1, min(look, int(v[3])))
-        t = _crossing(ups, starts[id(v)] + need, v[0])
-        if t is not None:
-            down.append(v[0] - t)
+        # without a common clock the triggering action may seem to end after the verification
+        # started: take the upstream action ending nearest to it (the sample may be negative)
+        i = bisect.bisect_right(up_ends, v[0] + dv + (0.0 if off else _CLOCK_SLACK_S)) - 1
+        if i >= 0 and up_ends[i] >= w[0] + dv:
+            if (
+                i + 1 < len(up_ends)
+                and not off
+                and abs(up_ends[i + 1] - v[0] - dv) < abs(up_ends[i] - v[0] - dv)
+            ):
+                i += 1
+            down.append(v[0] + dv - up_ends[i])
     if pair != 0:
         return down, up
-    drafts = [e for e in _events(rec["stages"][0]) if e[2] in _ACTIONS]
+    drafts = [e for e in _stage_events(rec, 0) if e[2] in _ACTIONS]
     d0 = [d[0] for d in drafts]
-    acts = [e for e in ev if e[2] in ("verify", "own")]
+    acts = [[e[0] + dv, e[1] + dv, *e[2:]] for e in ev if e[2] in ("verify", "own")]
     # SD with a stage after the verifier: the verifier asks for more only while its own
     # downstream still wants tokens; otherwise the drafter waits for that stage, not for a header
     demand = _committed_series(rec, 2) if method == "sd" and len(rec["stages"]) > 2 else None
@@ -1001,8 +1112,9 @@ def _pooled_rate(recs: Sequence[dict], stage: int) -> float:
     return alpha_from_trace(trace)
 
 
-def calibrate(recs: Sequence[dict]) -> Calibration:
-    """Fit profiles, per-pair acceptance and latencies from records of one method."""
+def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration:
+    """Fit profiles, per-pair acceptance and latencies from records of one method
+    (``blocking_reads``: the records come from a pipeline whose header reads blocked)."""
     if not recs:
         raise ValueError("no records to calibrate from")
     method = recs[0]["method"]
@@ -1031,9 +1143,10 @@ def calibrate(recs: Sequence[dict]) -> Calibration:
             own = sum(r["stages"][1].get("own_steps", 0) for r in recs)
             longest = max(int(n) for n, _ in prof.points)
             prof = replace(prof, lookup_hit_rate=hits / (hits + own) if hits + own else 1.0,
-                           max_proposal=longest)  # fmt: skip
-        to_act = [x for r in recs for x in overhead_samples(r, i)[0]]
-        to_wait = [x for r in recs for x in overhead_samples(r, i)[1]]
+                           max_proposal=longest, lookup_chain_rate=_lookup_chain_rate(recs))  # fmt: skip
+        samples = [overhead_samples(r, i, blocking_reads) for r in recs]
+        to_act = [x for a, _ in samples for x in a]
+        to_wait = [x for _, w in samples for x in w]
         # a stage that often acts back to back (a drafter) pays the loop's cost between actions;
         # one that waits after each action (a verifier) publishes its new demand only after it
         ov = to_act if len(to_act) >= 10 or not to_wait else to_wait
@@ -1047,12 +1160,13 @@ def calibrate(recs: Sequence[dict]) -> Calibration:
         u_s: list[float] = []
         for r in recs if method != "ar" else []:
             d, u = latency_samples(r, j)
-            if d and u:
-                # the ranks' clocks start at slightly different moments (each at its own exit
-                # from the start barrier): take the fastest delivery as equal in both directions
-                skew = (_quantile(u, 0.05) - _quantile(d, 0.05)) / 2
-                d = [x + skew for x in d]
-                u = [x - skew for x in u]
+            if d and _offsets(r) is None:
+                # no common clock (older records): each rank's timeline starts at its own exit
+                # from the start barrier. Take the fastest deliveries as equal in both directions
+                # (NTP-like), or as immediate where only proposals are seen, and measure again
+                # with that offset (which proposals count as awaited depends on it)
+                skew = (_quantile(u, 0.05) - _quantile(d, 0.05)) / 2 if u else -_quantile(d, 0.05)
+                d, u = latency_samples(r, j, skew)
             d_s += d
             u_s += u
         down = max(0.0, statistics.median(d_s)) if d_s else None
@@ -1069,11 +1183,12 @@ def simulate_record(
     max_run_ahead: int = 16,
     max_verify: int = 16,
     seed: int = 0,
-    blocking_reads: bool = True,
+    blocking_reads: bool = False,
 ) -> SimResult:
     """Re-run one recorded prompt in the simulator with the calibration's inputs."""
     k = len(cal.profiles)
     traces = tuple(agreement_trace(rec, j + 1) for j in range(k - 1)) if use_traces else ()
+    lookup = lookup_trace(rec) if use_traces and k > 1 and cal.profiles[0].kind == "lookup" else None
     cfg = SimConfig(
         method=rec["method"],
         lookahead=int(rec.get("lookahead") or 0) if rec["method"] != "ar" else 0,
@@ -1088,7 +1203,7 @@ def simulate_record(
     )
     if cfg.method == "sd" and cfg.lookahead < 1:
         cfg = replace(cfg, lookahead=1)
-    return simulate(cal.profiles, Acceptance(cal.rates, traces), cfg)
+    return simulate(cal.profiles, Acceptance(cal.rates, traces, lookup), cfg)
 
 
 def run_decode_config(run_dir: str | Path) -> dict:
@@ -1112,12 +1227,14 @@ def predict_run(
     use_traces: bool = True,
     max_run_ahead: int = 16,
     max_verify: int = 16,
-    blocking_reads: bool = True,
+    blocking_reads: bool = False,
 ) -> dict[str, dict]:
     """Measured vs predicted ms/token per method found in a run directory.
 
     scope="method" fits one calibration per method from all its records; scope="record" fits one
     per record (follows load that changes during the run on a shared machine).
+    blocking_reads: the run was made with the old MPI RMA epochs window, whose header reads waited
+    for a computing neighbour (before ``SharedEpochWindow``); current runs read headers at once.
     """
     recs = load_records(run_dir)
     decode = run_decode_config(run_dir)
@@ -1129,11 +1246,11 @@ def predict_run(
     out: dict[str, dict] = {}
     for method in [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS)):
         rs = by_method[method]
-        cal = calibrate(rs) if scope == "method" else None
+        cal = calibrate(rs, blocking_reads) if scope == "method" else None
         wall = sim_wall = 0.0
         tokens = 0
         for r in rs:
-            c = cal if cal is not None else calibrate([r])
+            c = cal if cal is not None else calibrate([r], blocking_reads)
             sim = simulate_record(r, c, use_traces, max_run_ahead, max_verify, blocking_reads=blocking_reads)
             wall += float(r["wall_s"])
             tokens += int(r["n_new_tokens"])
@@ -1537,7 +1654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="paper: PipeSpec lookahead")  # fmt: skip
     ap.add_argument("--sd-window", type=int, default=PAPER_SD_WINDOW, help="paper: SD window")
     ap.add_argument("--blocking-reads", action="store_true",
-                    help="paper: header reads wait for a computing stage (MPI window)")  # fmt: skip
+                    help="header reads wait for a computing stage (the old MPI RMA window): "
+                         "paper: simulate it; runs: records made before SharedEpochWindow")  # fmt: skip
     ap.add_argument("--max-run-ahead", type=int, default=None,
                     help="default: 64 for the paper (uncapped reference), 16 for runs")  # fmt: skip
     ap.add_argument("--max-verify", type=int, default=None, help="default: as --max-run-ahead")
@@ -1568,7 +1686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap = a.max_run_ahead or 16
         if a.calibration:
             rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid, max_run_ahead=cap,
-                                    max_verify=a.max_verify or cap)  # fmt: skip
+                                    max_verify=a.max_verify or cap, blocking_reads=a.blocking_reads)  # fmt: skip
             print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
             if a.plot:
                 plot_calibration(rows, a.plot)
@@ -1579,6 +1697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             use_traces=not a.iid,
             max_run_ahead=cap,
             max_verify=a.max_verify or cap,
+            blocking_reads=a.blocking_reads,
         )
     except (OSError, ValueError, KeyError) as err:
         print(f"pipespec_mpi.simulate: {err}", file=sys.stderr)

@@ -34,18 +34,40 @@ class Proposal:
     epoch: int
     start: int
     tokens: list[int]
+    dists: np.ndarray | None = None  # [count, V] float32: the distribution each token was drawn from
 
 
-def encode(buf: np.ndarray, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
+def buffer_words(max_msg_tokens: int, dist_width: int) -> int:
+    """int64 words of one message: header, token ids, then (sampling) float32 rows [T, V]."""
+    return META + max_msg_tokens + (max_msg_tokens * dist_width + 1) // 2
+
+
+def _rows_view(buf: np.ndarray, width: int, dist_width: int) -> np.ndarray:
+    start = 2 * (META + width)
+    return buf.view(np.float32)[start : start + width * dist_width].reshape(width, dist_width)
+
+
+def encode(buf: np.ndarray, prompt: int, epoch: int, start: int, tokens: list[int],
+           dists: np.ndarray | None = None, width: int = 0, dist_width: int = 0) -> None:  # fmt: skip
     buf[:META] = (prompt, epoch, start, len(tokens))
     buf[META : META + len(tokens)] = tokens
+    if dists is not None:
+        _rows_view(buf, width, dist_width)[: len(tokens)] = dists
 
 
-def decode(buf: np.ndarray) -> Proposal | None:
+def decode(buf: np.ndarray, width: int = 0, dist_width: int = 0) -> Proposal | None:
     count = int(buf[3])
     if count == CLOSE:
         return None
-    return Proposal(int(buf[0]), int(buf[1]), int(buf[2]), buf[META : META + count].tolist())
+    dists = _rows_view(buf, width, dist_width)[:count].copy() if dist_width else None
+    return Proposal(int(buf[0]), int(buf[1]), int(buf[2]), buf[META : META + count].tolist(), dists)
+
+
+def used_words(n_tokens: int, width: int, dist_width: int) -> int:
+    """The prefix of a message buffer that holds n tokens (and their rows): what MPI sends."""
+    if not dist_width:
+        return META + n_tokens
+    return META + width + (n_tokens * dist_width + 1) // 2
 
 
 def _gloo_done(work) -> bool:
@@ -77,14 +99,18 @@ class _SendRing:
 class Sender:
     """Downstream side of a channel (owned by the proposing stage)."""
 
-    def __init__(self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None):
+    def __init__(
+        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None,
+        dist_width: int = 0,
+    ):  # fmt: skip
         self.transport, self.peer, self.width = transport, peer, max_msg_tokens
-        self.depth = depth
+        self.depth, self.dist_width = depth, dist_width
+        words = buffer_words(max_msg_tokens, dist_width)
         if transport == "mpi":
             self.comm = comm
             self.ring = _SendRing(
                 depth,
-                META + max_msg_tokens,
+                words,
                 lambda w: np.zeros(w, dtype=np.int64),
                 None,
                 lambda r: r.Test(),
@@ -93,13 +119,13 @@ class Sender:
             import torch
 
             self.device = device or torch.device("cpu")
-            self.host = np.zeros(META + max_msg_tokens, dtype=np.int64)
+            self.host = np.zeros(words, dtype=np.int64)
             # gloo reports a send complete only once it is waited on; the peer always keeps
             # receives posted, so that wait is short (the data is handed to the socket).
             test = (lambda r: r.is_completed()) if transport == "nccl" else _gloo_done
             self.ring = _SendRing(
                 depth,
-                META + max_msg_tokens,
+                words,
                 lambda w: torch.zeros(w, dtype=torch.int64, device=self.device),
                 None,
                 test,
@@ -107,26 +133,32 @@ class Sender:
         self.bytes_sent = 0
         self.messages = 0
 
-    def _post(self, wait, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
+    def _post(self, wait, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
         i = self.ring.acquire(wait)
+        enc = dict(dists=dists, width=self.width, dist_width=self.dist_width)
         if self.transport == "mpi":
             buf = self.ring.bufs[i]
-            encode(buf, prompt, epoch, start, tokens)
-            self.ring.reqs[i] = self.comm.Isend(buf, dest=self.peer, tag=TAG)
+            encode(buf, prompt, epoch, start, tokens, **enc)
+            used = used_words(len(tokens), self.width, self.dist_width)  # MPI takes a prefix
+            self.ring.reqs[i] = self.comm.Isend(buf[:used], dest=self.peer, tag=TAG)
+            self.bytes_sent += 8 * used
         else:
             import torch
             import torch.distributed as dist
 
-            encode(self.host, prompt, epoch, start, tokens)
+            encode(self.host, prompt, epoch, start, tokens, **enc)
             self.ring.bufs[i].copy_(torch.from_numpy(self.host), non_blocking=False)
             self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
-        self.bytes_sent += (META + self.width) * 8
+            self.bytes_sent += 8 * self.ring.bufs[i].numel()  # torch p2p sends whole buffers
         self.messages += 1
 
-    def send(self, wait, prompt: int, epoch: int, start: int, tokens: list[int]) -> None:
-        """Send tokens for positions start.. in as many messages as their width needs."""
+    def send(self, wait, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
+        """Send tokens for positions start.. in as many messages as their width needs.
+
+        With sampling, ``dists`` [len(tokens), V] carries the distribution of each token."""
         for off in range(0, len(tokens), self.width):
-            self._post(wait, prompt, epoch, start + off, tokens[off : off + self.width])
+            chunk = None if dists is None else dists[off : off + self.width]
+            self._post(wait, prompt, epoch, start + off, tokens[off : off + self.width], chunk)
 
     def close(self, wait) -> None:
         """Match every receive the peer keeps posted with a close message, then drain."""
@@ -149,9 +181,13 @@ class Sender:
 class Receiver:
     """Upstream side of a channel (owned by the verifying stage)."""
 
-    def __init__(self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None):
+    def __init__(
+        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None,
+        dist_width: int = 0,
+    ):  # fmt: skip
         self.transport, self.peer, self.depth = transport, peer, depth
-        width = META + max_msg_tokens
+        self.width, self.dist_width = max_msg_tokens, dist_width
+        width = buffer_words(max_msg_tokens, dist_width)
         self.closed = 0
         if transport == "mpi":
             self.comm = comm
@@ -185,7 +221,7 @@ class Receiver:
             while works:
                 i, w = works.popleft()
                 w.wait()
-                msg = decode(self.bufs[i].numpy())
+                msg = decode(self.bufs[i].numpy(), self.width, self.dist_width)
                 if msg is None:
                     closes += 1
                     self.queue.put(None)
@@ -217,11 +253,11 @@ class Receiver:
             if self.transport == "mpi":
                 if not req.Test():
                     break
-                msg = decode(self.bufs[i])
+                msg = decode(self.bufs[i], self.width, self.dist_width)
             else:
                 if not req.is_completed():
                     break
-                msg = decode(self.bufs[i].cpu().numpy())
+                msg = decode(self.bufs[i].cpu().numpy(), self.width, self.dist_width)
             self.posted.popleft()
             if msg is None:
                 self.closed += 1

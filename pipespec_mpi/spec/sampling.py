@@ -1,4 +1,20 @@
-"""Sampling that stays exact through an asynchronous hierarchy: shared per-position Gumbel noise.
+"""Sampling that stays exact through an asynchronous hierarchy. Two verification rules:
+
+``leviathan`` (default): speculative sampling (Leviathan et al. 2023; Chen et al. 2023) at every
+verifying stage. A proposed token x, drawn by the proposing stage from q, is accepted with
+probability min(1, p(x)/q(x)), p being the verifier's distribution after the same
+temperature/top-k/top-p processing; at the first rejection the verifier draws from the normalised
+residual max(0, p - q); when all are accepted it draws a bonus token from p. Every token a stage
+emits is then distributed as that stage's own p, so it travels downstream with p as the q the next
+verifier needs (full float32 rows: 4 V bytes per token). Randomness is fresh per decision (a
+per-stage stream seeded from (seed, prompt, sample index, stage)); the output is exactly
+distributed as the last model's sampling, but which sample a run draws depends on the
+asynchronous schedule (ar and sd are reproducible from the seed; pipespec is not).
+
+``gumbel``: shared per-position Gumbel noise (below). Lower acceptance than min(1, p/q), but
+reproducible token for token whatever the timing, and nothing but token ids travels.
+
+The ``gumbel`` rule in detail:
 
 Every stage draws "its" token at generated position t as
 
@@ -33,10 +49,19 @@ class Sampler:
     top_k: int = 0
     top_p: float = 1.0
     key: int = 0  # (seed, prompt, sample index) mixed into one integer by the runner
+    coupling: str = "leviathan"  # leviathan | gumbel
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def leviathan(self) -> bool:
+        return not self.greedy and self.coupling == "leviathan"
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """p [n, V] (float64) after temperature / top-k / top-p."""
+        return processed_logprobs(logits, self.temperature, self.top_k, self.top_p).exp()
 
     def tokens(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
         """The stage's choice at positions first_position.. for logits [n, V] -> ids [n]."""
@@ -83,3 +108,26 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
     return torch.log_softmax(x, dim=-1)
+
+
+def draw(p: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from the distribution p [V]."""
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+def speculative_verify(
+    proposal: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator
+) -> tuple[int, int]:
+    """Leviathan/Chen verification of ``proposal`` (n ids) drawn from q [n, V], against the
+    verifier's p [n+1, V]. Returns (n_accepted, next token): the token drawn from the residual
+    max(0, p - q) at the first rejection, or the bonus token drawn from p[n]."""
+    for j, x in enumerate(proposal):
+        px, qx = float(p[j, x]), float(q[j, x])
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if qx > 0 and u < min(1.0, px / qx):
+            continue
+        residual = (p[j] - q[j]).clamp_(min=0)
+        total = float(residual.sum())
+        # total == 0 only if p == q, where a rejection cannot happen; guard against rounding
+        return j, draw(residual / total if total > 0 else p[j], gen)
+    return len(proposal), draw(p[len(proposal)], gen)

@@ -45,11 +45,15 @@ class Inbox:
     """Proposal tokens from upstream for positions ``base .. base+len(tokens)-1``."""
 
     tokens: list[int] = field(default_factory=list)
+    rows: list = field(default_factory=list)  # sampling: the distribution of each token (or [])
 
     def clear(self) -> None:
         self.tokens.clear()
+        self.rows.clear()
 
-    def merge(self, committed: Sequence[int], start: int, proposal: Sequence[int]) -> bool:
+    def merge(
+        self, committed: Sequence[int], start: int, proposal: Sequence[int], rows: Sequence | None = None
+    ) -> bool:
         """Fold a proposal for positions start.. into the inbox (base = len(committed)).
 
         Positions already committed must agree with ``committed``; a disagreement means the
@@ -64,6 +68,7 @@ class Inbox:
             return False
         for k, tok in enumerate(proposal):
             pos = start + k
+            row = None if rows is None else rows[k]
             if pos < base:
                 if committed[pos] != tok:
                     self.clear()
@@ -72,8 +77,13 @@ class Inbox:
                 if self.tokens[pos - base] != tok:
                     del self.tokens[pos - base :]
                     self.tokens.append(tok)
+                    if rows is not None:
+                        del self.rows[pos - base :]
+                        self.rows.append(row)
             else:
                 self.tokens.append(tok)
+                if rows is not None:
+                    self.rows.append(row)
         return True
 
     def advance(self, committed_now: Sequence[int], n_old: int) -> bool:
@@ -88,4 +98,5 @@ class Inbox:
             self.clear()
             return False
         del self.tokens[:n_new]
+        del self.rows[:n_new]
         return True

@@ -25,12 +25,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.wait import Backoff, StallError
 from pipespec_mpi.comm.window import EpochWindow, Header, SharedEpochWindow
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.spec.greedy import Verdict, verify_against
-from pipespec_mpi.spec.sampling import Sampler
+from pipespec_mpi.spec.sampling import Sampler, draw, mix, speculative_verify
 from pipespec_mpi.spec.sequence import Inbox, adopt
 
 # Test hook: PIPESPEC_BROKEN_VERIFIER=1 makes every verifier accept all proposals, so that the
@@ -64,6 +67,7 @@ class StageStats:
     timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
     peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
+    bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
     gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb
 
     def as_dict(self) -> dict:
@@ -104,6 +108,7 @@ class StageLoop:
         eos_token_id: int,
         stall_timeout_s: float,
         record_timeline: bool = True,
+        vocab: int = 0,
     ) -> None:
         self.role, self.model, self.win = role, model, window
         self.sender, self.receiver = sender, receiver
@@ -112,6 +117,7 @@ class StageLoop:
         self.stall_timeout_s = stall_timeout_s
         self.record_timeline = record_timeline
         self.is_scorer = hasattr(model, "logits")
+        self.vocab = vocab  # width of the distributions that travel with proposals (sampling)
 
     # ------------------------------------------------------------------ helpers
     def _wait_fn(self):
@@ -167,7 +173,12 @@ class StageLoop:
         t0 = time.perf_counter()
         n0 = len(self.out)
         logits = self.model.logits(self._full(), [])
-        tok = int(self.sampler.tokens(logits[-1:], n0)[0])
+        if self.sampler.leviathan:
+            p = self.sampler.probs(logits[-1:])[0]
+            tok = draw(p, self.gen)
+            self.rows[n0] = p.float().numpy()
+        else:
+            tok = int(self.sampler.tokens(logits[-1:], n0)[0])
         t1 = time.perf_counter()
         self.stats.forward_calls += 1
         self._commit([tok], t1 - t0)
@@ -189,6 +200,11 @@ class StageLoop:
         if not toks:
             return False
         self.stats.draft_steps += 1
+        if self.sampler.leviathan:  # deterministic proposals: q is a point mass
+            for k, tok in enumerate(toks):
+                row = np.zeros(self.vocab, dtype=np.float32)
+                row[tok] = 1.0
+                self.rows[len(self.out) + k] = row
         self._commit(toks, t1 - t0)
         self._event(t0, t1, "draft", len(toks))
         return True
@@ -198,10 +214,20 @@ class StageLoop:
         t0 = time.perf_counter()
         n0 = len(self.out)
         logits = self.model.logits(self._full(), proposal)  # [n+1, V]
-        target = self.sampler.tokens(logits, n0)  # [n+1]: our own choices at positions n0..n0+n
-        verdict = verify_against(proposal, target)
-        if BROKEN_VERIFIER:  # test hook: accept everything (must be caught by the tests)
-            verdict = Verdict(n, n, int(target[n]))
+        if self.sampler.leviathan:
+            p = self.sampler.probs(logits)  # [n+1, V]
+            q = torch.from_numpy(np.stack(self.inbox.rows[:n])).double() if n else p[:0]  # [n, V]
+            m, nxt = speculative_verify(proposal, q[:, : p.shape[1]], p, self.gen)
+            if BROKEN_VERIFIER:
+                m, nxt = n, draw(p[n], self.gen)
+            verdict = Verdict(n, m, nxt)
+            for j in range(m + 1):  # what we emit is distributed as our p: it travels as q
+                self.rows[n0 + j] = p[j].float().numpy()
+        else:
+            target = self.sampler.tokens(logits, n0)  # [n+1]: our own choices at n0..n0+n
+            verdict = verify_against(proposal, target)
+            if BROKEN_VERIFIER:  # test hook: accept everything (must be caught by the tests)
+                verdict = Verdict(n, n, int(target[n]))
         t1 = time.perf_counter()
         self.stats.forward_calls += 1
         self.stats.verifications += 1
@@ -224,6 +250,9 @@ class StageLoop:
         if h.prompt != self.seq:
             return False  # the downstream has not started this prompt yet
         self.down = h
+        while self.rows_floor < h.length:  # the downstream holds these: their rows are not needed
+            self.rows.pop(self.rows_floor, None)
+            self.rows_floor += 1
         if h.done:
             return True
         if h.epoch != self.seen_down_epoch or h.length > len(self.out):
@@ -256,7 +285,8 @@ class StageLoop:
             if msg.prompt != self.seq or msg.epoch != self.epoch:
                 self.stats.dropped_messages += 1
                 continue
-            if not self.inbox.merge(self.out, msg.start, msg.tokens):
+            rows = None if msg.dists is None else list(msg.dists)
+            if not self.inbox.merge(self.out, msg.start, msg.tokens, rows):
                 self._bump_epoch()
                 self._publish()
 
@@ -264,7 +294,12 @@ class StageLoop:
         if self.sender is None or self.sent >= len(self.out):
             return
         toks = self.out[self.sent :]
-        self.sender.send(self._wait, self.seq, self.seen_down_epoch, self.sent, toks)
+        dists = None
+        if self.sampler.leviathan:
+            dists = np.stack([self.rows[pos] for pos in range(self.sent, len(self.out))])
+        before = self.sender.bytes_sent
+        self.sender.send(self._wait, self.seq, self.seen_down_epoch, self.sent, toks, dists)
+        self.stats.bytes_sent += self.sender.bytes_sent - before
         self.stats.tokens_proposed += len(toks)
         self.sent = len(self.out)
 
@@ -344,6 +379,9 @@ class StageLoop:
         self, seq: int, prompt: Sequence[int], method: str, sampler: Sampler | None = None
     ) -> StageOutcome:
         self.sampler = sampler or Sampler()
+        self.gen = torch.Generator().manual_seed(mix(self.sampler.key, self.role.stage))
+        self.rows: dict[int, np.ndarray] = {}  # leviathan: position -> distribution of our token
+        self.rows_floor = 0
         self.stats = StageStats(self.role.stage, self.role.rank, getattr(self.model, "name", "?"))
         self.prompt = list(prompt)
         self.seq, self.epoch, self.seen_down_epoch = seq, 0, 0

@@ -70,7 +70,7 @@ def chi_square(samples: list[tuple[int, int]], joint: dict) -> tuple[float, floa
 
 
 def sample_pairs(
-    tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, env=None
+    tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, coupling: str, env=None
 ) -> list:
     jsonl = tmp / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": PROMPT, "id": "fib"}) + "\n")
@@ -78,7 +78,7 @@ def sample_pairs(
         n,
         [f"hierarchy={hier}", "dataset=jsonl", f"dataset.path={jsonl}", "method=pipespec",
          "max_new_tokens=6", "lookahead=2", f"sampling.temperature={temperature}", f"sampling.top_p={top_p}",
-         f"sampling.top_k={top_k}",
+         f"sampling.top_k={top_k}", f"sampling.coupling={coupling}",
          f"sampling.num_samples={N}", "seed=7"],
         tmp / "run",
         timeout=600,
@@ -91,27 +91,46 @@ def sample_pairs(
 
 # The tiny models' distributions are nearly flat over 260 ids at temperature 1, so top-k keeps
 # the joint support of two tokens small enough (16-25 pairs) for 400 samples to test it.
-@pytest.mark.parametrize(
-    "hier,n,temperature,top_k,top_p", [("tiny", 3, 1.0, 4, 1.0), ("tiny2", 2, 0.3, 6, 0.8)]
-)
-def test_pipespec_samples_follow_the_target_distribution(tmp_path, hier, n, temperature, top_k, top_p):
+CASES = [("tiny", 3, 1.0, 4, 1.0), ("tiny2", 2, 0.3, 6, 0.8)]
+
+
+@pytest.mark.parametrize("coupling", ["leviathan", "gumbel"])
+@pytest.mark.parametrize("hier,n,temperature,top_k,top_p", CASES)
+def test_pipespec_samples_follow_the_target_distribution(
+    tmp_path, hier, n, temperature, top_k, top_p, coupling
+):
     joint = exact_joint(temperature, top_k, top_p)
-    stat, crit = chi_square(sample_pairs(tmp_path, hier, n, temperature, top_k, top_p), joint)
+    pairs = sample_pairs(tmp_path, hier, n, temperature, top_k, top_p, coupling)
+    stat, crit = chi_square(pairs, joint)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: samples do not follow the target"
 
 
-def test_the_same_test_catches_an_always_accepting_verifier(tmp_path):
+@pytest.mark.parametrize("coupling", ["leviathan", "gumbel"])
+def test_the_same_test_catches_an_always_accepting_verifier(tmp_path, coupling):
     joint = exact_joint(1.0, 4, 1.0)
-    pairs = sample_pairs(tmp_path, "tiny", 3, 1.0, 4, 1.0, env={"PIPESPEC_BROKEN_VERIFIER": "1"})
+    env = {"PIPESPEC_BROKEN_VERIFIER": "1"}
+    pairs = sample_pairs(tmp_path, "tiny", 3, 1.0, 4, 1.0, coupling, env=env)
     stat, crit = chi_square(pairs, joint)
     assert stat > crit, f"broken verifier not detected: chi2 {stat:.1f} < {crit:.1f}"
 
 
-def test_sampling_is_reproducible_and_identical_across_methods(tmp_path):
+def test_gumbel_sampling_is_reproducible_and_identical_across_methods(tmp_path):
     args = ["hierarchy=tiny", "dataset=synthetic", "n_prompts=2", "max_new_tokens=20",
             "mode=benchmark", "lookahead=2", "sampling.temperature=0.8", "sampling.top_k=20",
-            "sampling.num_samples=2"]  # fmt: skip
+            "sampling.num_samples=2", "sampling.coupling=gumbel"]  # fmt: skip
     a = outputs_by_method(launch_ok(3, args, tmp_path / "a"))
     b = outputs_by_method(launch_ok(3, args, tmp_path / "b"))
     assert a == b  # same seed, same tokens, whatever the timing
     assert a["pipespec"] == a["ar"] == a["sd"]
+
+
+def test_leviathan_ar_is_reproducible_and_distributions_travel(tmp_path):
+    args = ["hierarchy=tiny", "dataset=synthetic", "n_prompts=2", "max_new_tokens=20",
+            "mode=benchmark", "lookahead=2", "sampling.temperature=0.8",
+            "sampling.num_samples=2"]  # fmt: skip
+    ra, rb = launch_ok(3, args, tmp_path / "a"), launch_ok(3, args, tmp_path / "b")
+    assert outputs_by_method(ra)["ar"] == outputs_by_method(rb)["ar"]
+    ps = [r for r in ra if r["method"] == "pipespec"]
+    sent = sum(r["stages"][0]["bytes_sent"] for r in ps)
+    proposed = sum(r["stages"][0]["tokens_proposed"] for r in ps)
+    assert proposed > 0 and sent >= proposed * 260 * 4  # a float32 row of V=260 per token
