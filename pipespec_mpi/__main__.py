@@ -90,7 +90,10 @@ def user_error(exc: BaseException, world) -> None:
         os._exit(2)
     sys.stderr.write(f"[pipespec_mpi] error on rank {world.rank}: {exc}\n")
     sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(2)
+    try:
+        MPI.COMM_WORLD.Abort(2)
+    finally:
+        os._exit(2)  # MPICH's Abort may return before the process manager kills us
 
 
 def main() -> None:

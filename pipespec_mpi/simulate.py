@@ -1686,7 +1686,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap = a.max_run_ahead or 16
         if a.calibration:
             rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid, max_run_ahead=cap,
-                                    max_verify=a.max_verify or cap, blocking_reads=a.blocking_reads)  # fmt: skip
+                                    max_verify=a.max_verify or cap,
+                                    blocking_reads=a.blocking_reads)  # fmt: skip
             print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
             if a.plot:
                 plot_calibration(rows, a.plot)

@@ -182,8 +182,10 @@ def test_lookup_drafter_proposes_many_tokens_per_call():
 
 
 # ------------------------------------------------------------------------------ calibration
-def _as_run(tmp: Path, results: list[sim.SimResult], prompt_len: int, look: int) -> Path:
-    """Write simulated prompts as a run directory in the real pipeline's record format."""
+def _as_run(tmp: Path, results: list[sim.SimResult], prompt_len: int, look: int, clock: bool = True) -> Path:
+    """Write simulated prompts as a run directory in the real pipeline's record format. With
+    ``clock`` each stage's timeline starts 2 ms after its upstream's and carries the absolute
+    start (``t0_perf_counter``), as the pipeline records it; without, the starts are unknown."""
     lines = []
     for i, r in enumerate(results):
         stages = []
@@ -191,6 +193,10 @@ def _as_run(tmp: Path, results: list[sim.SimResult], prompt_len: int, look: int)
             d = {k: getattr(s, k) for k in ("stage", "model", "forward_calls", "draft_steps", "own_steps",
                                             "verifications", "tokens_accepted", "verify_trace", "timeline",
                                             "commit_times", "busy_s", "wait_s")}  # fmt: skip
+            if clock:
+                shift = 0.002 * s.stage
+                d["timeline"] = [[e[0] - shift, e[1] - shift, *e[2:]] for e in s.timeline]
+                d["t0_perf_counter"] = 1000.0 + shift
             stages.append(d)
         lines.append(json.dumps({
             "prompt_id": f"p{i}", "replica": 0, "method": r.method, "warmup": False,
@@ -203,16 +209,16 @@ def _as_run(tmp: Path, results: list[sim.SimResult], prompt_len: int, look: int)
     return tmp
 
 
-def _synthetic_run(tmp: Path) -> Path:
+def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True) -> Path:
     draft = replace(DRAFT, overhead_s=0.3 * MS, prefill_per_token_s=0.01 * MS)
     target = replace(TARGET, overhead_s=0.5 * MS, prefill_per_token_s=0.05 * MS)
     results = []
     for method, look in (("ar", 0), ("sd", 3), ("pipespec", 2)):
         for seed in range(3):
             c = SimConfig(method=method, lookahead=look, max_new_tokens=64, prompt_len=40, latency_s=0.4 * MS,
-                          blocking_reads=True, record_timeline=True, seed=seed)  # fmt: skip
+                          blocking_reads=blocking, record_timeline=True, seed=seed)  # fmt: skip
             results.append(simulate([draft, target], [0.75], c))
-    return _as_run(tmp, results, prompt_len=40, look=2)
+    return _as_run(tmp, results, prompt_len=40, look=2, clock=clock)
 
 
 def _fix_lookahead(run: Path) -> None:
@@ -222,15 +228,41 @@ def _fix_lookahead(run: Path) -> None:
     (run / "results.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
 
 
-def test_calibration_recovers_a_synthetic_run(tmp_path):
-    run = _synthetic_run(tmp_path / "run")
+@pytest.mark.parametrize("blocking, clock", [(False, True), (False, False), (True, True)])
+def test_calibration_recovers_a_synthetic_run(tmp_path, blocking, clock):
+    # the current pipeline (header reads never wait), with and without the records' common clock,
+    # and the old one (header reads of a computing stage waited), calibrated as such
+    run = _synthetic_run(tmp_path / "run", blocking=blocking, clock=clock)
     _fix_lookahead(run)
-    res = sim.predict_run(run)
+    res = sim.predict_run(run, blocking_reads=blocking)
     assert set(res) == {"ar", "sd", "pipespec"}
     for m, row in res.items():
         assert row["predicted_ms_per_token"] == pytest.approx(row["measured_ms_per_token"], rel=0.05), m
     assert res["pipespec"]["overhead_ms"][0] == pytest.approx(0.3, rel=0.2)
     assert res["sd"]["acceptance"][0] == pytest.approx(0.75, abs=0.1)
+    if clock:  # proposals take 0.4 ms to arrive, measured on the common clock
+        assert res["sd"]["latency_ms"][0] == pytest.approx(0.4, abs=0.15)
+
+
+def test_lookup_replays_the_recorded_hits_on_the_target_path():
+    lk = LatencyProfile("lookup", ((1, 1e-5),), kind="lookup", max_proposal=8, lookup_hit_rate=1.0)
+    c = cfg(method="pipespec", lookahead=1, max_new_tokens=40)
+    misses = Acceptance((1.0,), lookup={p: 0 for p in range(40)})
+    r = simulate([lk, TARGET], misses, c)  # never hits on the target's path: the target steps alone
+    assert r.lossless and r.stages[0].draft_steps == 0 and r.stages[1].own_steps == 40
+    short = simulate([lk, TARGET], Acceptance((1.0,), lookup={p: 2 for p in range(40)}), c)
+    assert short.lossless and 0 < short.stages[0].tokens_generated <= 2 * short.stages[0].draft_steps
+
+
+def test_lookup_trace_from_a_record():
+    rec = {
+        "prompt_ids": [1] * 10,
+        "stages": [
+            {"timeline": [[0.0, 0.0, "draft", 4, 14], [0.1, 0.1, "draft", 1, 16]]},
+            {"timeline": [[0.0, 0.1, "verify", 4, 15], [0.1, 0.2, "own", 1, 16], [0.2, 0.3, "own", 1, 17]]},
+        ],
+    }
+    assert sim.lookup_trace(rec) == {0: 4, 5: 1, 6: 0}
 
 
 def test_cli_from_run_json(tmp_path, capsys):
