@@ -30,8 +30,13 @@ def round_trip(transport: str, iters: int) -> float | None:
     comm = MPI.COMM_WORLD
     r = comm.Get_rank()
     peer = 1 - r
-    snd = Sender(transport, comm, peer, 8, 32)
-    rcv = Receiver(transport, comm, peer, 8, 32)
+    device = None
+    if transport == "nccl":
+        import torch
+
+        device = torch.device(f"cuda:{r}")
+    snd = Sender(transport, comm, peer, 8, 32, device)
+    rcv = Receiver(transport, comm, peer, 8, 32, device)
     toks = list(range(8))
     comm.Barrier()
     t0 = time.perf_counter()
@@ -85,8 +90,15 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     assert world.size == 2, "run with mpirun -n 2"
     res = {"mpi": round_trip("mpi", args.iters)}
-    init_torch_distributed(world, "gloo", None)
-    res["gloo"] = round_trip("gloo", args.iters // 4)
+    import torch
+
+    if torch.cuda.device_count() >= 2:  # NCCL needs a GPU per rank
+        torch.cuda.set_device(world.rank)
+        init_torch_distributed(world, "nccl", None)
+        res["nccl"] = round_trip("nccl", args.iters // 4)
+    else:
+        init_torch_distributed(world, "gloo", None)
+        res["gloo"] = round_trip("gloo", args.iters // 4)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     shared = SharedEpochWindow(node, 128, world.rank)
     rma = EpochWindow(comm, 128)

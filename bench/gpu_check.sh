@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU check, for a machine with one or more NVIDIA GPUs (under 5 minutes on one GPU):
+#   bash bench/gpu_check.sh
+# Runs the tiny and SmolLM2 hierarchies with 3 ranks (sharing the GPU when there is one) in
+# mode=benchmark and prints AR/SD/PipeSpec ms/token and busy fractions per stage, then the
+# proposal round trip per transport. NCCL cannot put two ranks on one GPU ("duplicate GPU"), so
+# with a single GPU the pipelines use transport=mpi and the NCCL round trip is skipped; with two
+# or more GPUs it runs with transport=nccl and measures NCCL too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+PY=.venv/bin/python
+MPIRUN=.venv/bin/mpirun
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $NGPU ($($PY -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"))"
+TRANSPORT=mpi
+[ "$NGPU" -ge 2 ] && TRANSPORT=nccl
+OUT=outputs/gpu_check/$(date +%Y%m%d-%H%M%S)
+mkdir -p outputs/gpu_check
+summary() {
+  $PY - "$1" <<'PYEOF'
+import json, sys
+b = json.load(open(sys.argv[1] + "/benchmark.json"))
+for m, r in b.items():
+    busy = ", ".join(f"{x:.2f}" for x in r["busy_fraction"])
+    print(f"  {m:<9} {r['ms_per_token']:8.2f} ms/token  speedup {r.get('speedup', float('nan')):.2f}  busy [{busy}]")
+PYEOF
+}
+for H in tiny smollm2; do
+  echo "== hierarchy=$H transport=$TRANSPORT"
+  timeout 200 $MPIRUN -n 3 $PY -m pipespec_mpi hierarchy=$H mode=benchmark lookahead=2 n_prompts=3 \
+    max_new_tokens=64 transport=$TRANSPORT run.progress=false hydra.run.dir=$OUT/$H > $OUT.$H.log 2>&1 \
+    || { echo "  failed: see $OUT.$H.log"; tail -20 $OUT.$H.log; continue; }
+  summary $OUT/$H
+done
+echo "== proposal round trip and window reads (2 ranks)"
+timeout 120 $MPIRUN -n 2 $PY bench/comm_latency.py --iters 1000
