@@ -58,7 +58,11 @@ def app(cfg: DictConfig) -> None:
         typed = load_config(OmegaConf.to_container(cfg, resolve=True))
         check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        logging.getLogger("pipespec_mpi").setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
+        logger = logging.getLogger("pipespec_mpi")
+        logger.setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
+        stage = world.rank % typed.hierarchy.n_stages
+        logger.filters.clear()
+        logger.addFilter(StageTag(f"replica {world.rank // typed.hierarchy.n_stages} stage {stage}"))
         from pipespec_mpi.runner import Runner
 
         Runner(typed, run_dir, world).run()
@@ -68,6 +72,18 @@ def app(cfg: DictConfig) -> None:
         if isinstance(exc, UserError):
             user_error(exc, world)
         abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
+
+
+class StageTag(logging.Filter):
+    """Prefix this rank's log records with its replica and stage (the format already has the rank)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = f"[{self.tag}] {record.msg}"
+        return True
 
 
 def user_error(exc: BaseException, world) -> None:
