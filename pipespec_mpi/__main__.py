@@ -98,7 +98,7 @@ def user_error(exc: BaseException, world) -> None:
     from pipespec_mpi.config import ConfigError
     from pipespec_mpi.topology import TopologyError
 
-    if isinstance(exc, (ConfigError, TopologyError)):
+    if isinstance(exc, (ConfigError, TopologyError)) or exc.collective:
         if world.rank == 0:
             sys.stderr.write(f"[pipespec_mpi] error: {exc}\n")
             sys.stderr.flush()
@@ -106,6 +106,7 @@ def user_error(exc: BaseException, world) -> None:
         os._exit(2)
     sys.stderr.write(f"[pipespec_mpi] error on rank {world.rank}: {exc}\n")
     sys.stderr.flush()
+    time.sleep(0.5)  # let mpirun forward the message before the abort kills the job
     try:
         MPI.COMM_WORLD.Abort(2)
     finally:

@@ -3,4 +3,7 @@ clear message, without a traceback, and end the job with exit code 2."""
 
 
 class UserError(Exception):
-    pass
+    """``collective``: every rank raises the same error at the same point (rank 0 reports it and all
+    exit together); otherwise the rank that found it aborts the job."""
+
+    collective: bool = False

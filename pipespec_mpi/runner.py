@@ -146,12 +146,18 @@ class Runner:
 
         self.tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
         self._check_tokenizers()
-        prompts = None
+        prompts = err = None
         if self.world.rank == 0:
-            prompts = tokenize_prompts(cfg, self.tokenizer)
-        self.prompts = self.comm.bcast(prompts, root=0)
-        if not self.prompts:
-            raise DatasetError(f"dataset {cfg.dataset.name!r} gave no prompts")
+            try:
+                prompts = tokenize_prompts(cfg, self.tokenizer)
+                if not prompts:
+                    raise DatasetError(f"dataset {cfg.dataset.name!r} gave no prompts")
+            except UserError as e:  # reported by rank 0, raised on every rank
+                err = e
+        self.prompts, err = self.comm.bcast((prompts, err), root=0)
+        if err is not None:
+            err.collective = True
+            raise err
 
         t0 = time.perf_counter()
         self.model = load_stage(cfg.hierarchy, pl.stage, self.cuda_devices)
@@ -173,7 +179,9 @@ class Runner:
                 st.fingerprint() if st is not None else None)  # fmt: skip
         bad = tokenizer_mismatches(self.tokenizer.fingerprint(), self.comm.allgather(mine))
         if bad:
-            raise TokenizerMismatch("stages do not share one tokenizer: " + "; ".join(bad))
+            err = TokenizerMismatch("stages do not share one tokenizer: " + "; ".join(bad))
+            err.collective = True  # every rank saw the same gathered fingerprints
+            raise err
 
     def _check_vocab(self) -> None:
         """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare."""
