@@ -55,6 +55,16 @@ class Header:
                    int(raw[WANT]), bool(raw[IDLE]))  # fmt: skip
 
 
+def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty_from: int, header) -> None:
+    """Store tokens[dirty_from:] and the header fields into a window's local memory."""
+    n = len(tokens)
+    if n > max_tokens:
+        raise ValueError(f"{n} committed tokens exceed the window's {max_tokens}")
+    if dirty_from < n:
+        local[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
+    local[:6] = header
+
+
 class EpochWindow:
     """One window over ``comm``; every rank of ``comm`` must construct (and free) it together."""
 
@@ -95,13 +105,9 @@ class EpochWindow:
         idle: bool = False,
     ) -> None:
         """Write tokens[dirty_from:] and the header into this rank's window."""
-        n = len(tokens)
-        if n > self.max_tokens:
-            raise ValueError(f"{n} committed tokens exceed the window's {self.max_tokens}")
+        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
         with self.locked(self.rank, exclusive=True):
-            if dirty_from < n:
-                self.local[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
-            self.local[:6] = (prompt, epoch, n, int(done), want, int(idle))
+            write_state(self.local, self.max_tokens, tokens, dirty_from, header)
 
     # -- readers ------------------------------------------------------------------------------
     def header(self, rank: int) -> Header:
@@ -175,15 +181,11 @@ class SharedEpochWindow:
         want: int = 0,
         idle: bool = False,
     ) -> None:
-        n = len(tokens)
-        if n > self.max_tokens:
-            raise ValueError(f"{n} committed tokens exceed the window's {self.max_tokens}")
+        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
         loc = self.local
         loc[SEQ] += 1  # odd: writing
         self.win.Sync()
-        if dirty_from < n:
-            loc[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
-        loc[:6] = (prompt, epoch, n, int(done), want, int(idle))
+        write_state(loc, self.max_tokens, tokens, dirty_from, header)
         self.win.Sync()
         loc[SEQ] += 1  # even: consistent
 

@@ -70,3 +70,16 @@ def test_eos_stops_early_and_all_methods_agree(tmp_path):
     for r in stopped:
         assert r["output_ids"][-1] == eos and eos not in r["output_ids"][:-1]
         assert r["n_new_tokens"] < 40
+
+
+def test_rma_epochs_window_is_lossless_too(tmp_path):
+    """The passive-target RMA window (used when pipelines span nodes) gives the same outputs."""
+    methods = "[ar,sd,pipespec]"
+    recs = launch_ok(
+        3,
+        ["hierarchy=tiny", "mode=benchmark", f"mode.methods={methods}", "lookahead=2",
+         "max_new_tokens=40", "n_prompts=2", "run.epochs_window=rma"],
+        tmp_path,
+    )  # fmt: skip
+    _check_equal(recs, ["ar", "sd", "pipespec"])
+    assert sum(r["stages"][-1]["rollbacks_signalled"] for r in recs if r["method"] == "pipespec") > 0
