@@ -176,7 +176,8 @@ class StageLoop:
         if self.sampler.leviathan:
             p = self.sampler.probs(logits[-1:])[0]
             tok = draw(p, self.gen)
-            self.rows[n0] = p.float().numpy()
+            if self.sender is not None:  # only tokens that travel need their distribution
+                self.rows[n0] = p.float().numpy()
         else:
             tok = int(self.sampler.tokens(logits[-1:], n0)[0])
         t1 = time.perf_counter()
@@ -221,8 +222,8 @@ class StageLoop:
             if BROKEN_VERIFIER:
                 m, nxt = n, draw(p[n], self.gen)
             verdict = Verdict(n, m, nxt)
-            for j in range(m + 1):  # what we emit is distributed as our p: it travels as q
-                self.rows[n0 + j] = p[j].float().numpy()
+            for j in range(m + 1 if self.sender is not None else 0):
+                self.rows[n0 + j] = p[j].float().numpy()  # what we emit is distributed as p: it travels as q
         else:
             target = self.sampler.tokens(logits, n0)  # [n+1]: our own choices at n0..n0+n
             verdict = verify_against(proposal, target)
