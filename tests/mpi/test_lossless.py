@@ -7,6 +7,8 @@ one-token forwards agree exactly, so equality is a fair test (see README for bf1
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import launch_ok, outputs_by_method
 
@@ -32,6 +34,21 @@ def _check_equal(records: list[dict], methods: list[str]) -> None:
             assert by[m][key] == ids, f"{m} differs from ar on {key}"
 
 
+def _check_benchmark_json(run_dir, recs: list[dict], methods: list[str]) -> None:
+    """benchmark.json agrees with the per-prompt records it summarises."""
+    bench = json.loads((run_dir / "benchmark.json").read_text())
+    assert list(bench) == methods
+    for m in methods:
+        rs = [r for r in recs if r["method"] == m and not r["warmup"]]
+        tokens = sum(len(r["output_ids"]) for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        assert bench[m]["n_tokens"] == tokens and bench[m]["n_prompts"] == len(rs) == 3
+        assert bench[m]["ms_per_token"] == pytest.approx(1000 * wall / tokens)
+        assert bench[m]["speedup"] == pytest.approx(bench["ar"]["ms_per_token"] / bench[m]["ms_per_token"])
+        assert bench[m]["speedup_per_prompt"]["n"] == 3
+    assert any(r["warmup"] for r in recs)  # one uncounted warm-up prompt per method
+
+
 @pytest.mark.parametrize("n,hier,lookahead,transport,max_new,methods", CASES)
 def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_new, methods):
     recs = launch_ok(
@@ -41,6 +58,7 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, methods.strip("[]").split(","))
+    _check_benchmark_json(tmp_path, recs, methods.strip("[]").split(","))
     for r in recs:
         assert len(r["output_ids"]) == r["n_new_tokens"] == max_new  # no EOS in the byte models
         assert r["transport"] == transport
