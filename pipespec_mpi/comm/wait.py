@@ -40,20 +40,3 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise StallError(f"no progress for {timeout_s:.0f} s while waiting for {what}")
         backoff.sleep()
-
-
-def wait_request(req, timeout_s: float, what: str):
-    """Complete an MPI request (e.g. Ibarrier) without spinning; returns its result if any."""
-    box: list = []
-
-    def done() -> bool:
-        flag = req.test() if hasattr(req, "test") else req.Test()
-        if isinstance(flag, tuple):
-            ok, value = flag
-            if ok:
-                box.append(value)
-            return bool(ok)
-        return bool(flag)
-
-    wait_until(done, timeout_s, what)
-    return box[0] if box else None

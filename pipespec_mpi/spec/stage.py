@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pipespec_mpi.comm.channel import Receiver, Sender
-from pipespec_mpi.comm.wait import Backoff, StallError
+from pipespec_mpi.comm.wait import Backoff, StallError, wait_until
 from pipespec_mpi.comm.window import EpochWindow, Header, SharedEpochWindow
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.spec.greedy import Verdict, verify_against
@@ -120,18 +120,11 @@ class StageLoop:
         self.vocab = vocab  # width of the distributions that travel with proposals (sampling)
 
     # ------------------------------------------------------------------ helpers
-    def _wait_fn(self):
-        """A wait(cond, what) for the channels that keeps our own windows responsive."""
-
-        def wait(cond, what):
-            backoff, t0 = Backoff(), time.monotonic()
-            while not cond():
-                self.win.beat()
-                if time.monotonic() - t0 > self.stall_timeout_s:
-                    raise StallError(f"stage {self.role.stage}: {what} for {self.stall_timeout_s} s")
-                backoff.sleep()
-
-        return wait
+    def _wait(self, cond, what: str) -> None:
+        """Wait for a channel (e.g. a free send buffer), keeping our heartbeat fresh."""
+        wait_until(
+            lambda: self.win.beat() or cond(), self.stall_timeout_s, f"stage {self.role.stage}: {what}"
+        )
 
     def _event(self, t0: float, t1: float, kind: str, n: int) -> None:
         if self.record_timeline:
@@ -390,7 +383,6 @@ class StageLoop:
         self.want, self.idle = 0, False
         self.down: Header | None = None
         self.inbox = Inbox()
-        self._wait = self._wait_fn()
         self.t_start = time.perf_counter()
         self.stats.t0_perf_counter = self.t_start
         if method == "ar" and not self.role.is_last:  # AR: the last model alone; others idle
