@@ -1,57 +1,75 @@
 """Verification cost curve: the target's forward over k tokens relative to its one-token step.
 
-    .venv/bin/python bench/verify_cost.py [--threads 1] [--context 200] [--reps 9]
+    .venv/bin/python bench/verify_cost.py [--threads 1] [--context 200] [--rounds 9]
 
-Prints, for k = 1..9, the median time of a k-token forward (after a context of --context tokens)
-with torch's own matmul and with the flat small-M kernel (models/flat_linear.py), and the ratio
-to the one-token step. Speculative decoding assumes this ratio is close to 1.
+Two variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``, sdpa)
+and what the stages run (the flat small-M kernel of models/flat_linear.py, the preallocated cache
+of models/kv_cache.py and grouped-query SDPA without KV copies, models/attention.py). Measurements are interleaved: each round times every (variant, k) once
+in a shuffled order after the same context, so drifts of a shared machine hit all alike; the
+table shows medians over rounds and each variant's ratio to its own one-token step.
+Speculative decoding assumes that ratio is close to 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import random
+import statistics
 import time
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pipespec_mpi.models.flat_linear import use_flat_linear
+from pipespec_mpi.models.attention import use_sdpa_gqa
+from pipespec_mpi.models.flat_linear import cpu_isa, use_flat_linear
+from pipespec_mpi.models.kv_cache import preallocated_cache
 from pipespec_mpi.models.smollm2 import ensure_cache
 
 
-def forward_ms(model, context: torch.Tensor, k: int, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        cache = DynamicCache(config=model.config)
-        with torch.inference_mode():
-            model(input_ids=context, cache=cache, logits_to_keep=1)
-            t0 = time.perf_counter()
-            model(input_ids=torch.arange(100, 100 + k).view(1, k), cache=cache, logits_to_keep=k)
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1000 * times[len(times) // 2]
+@torch.inference_mode()
+def forward_ms(model, new_cache, context: torch.Tensor, k: int) -> float:
+    """One k-token forward after ``context`` (its prefill not timed)."""
+    cache = new_cache()
+    model(input_ids=context, cache=cache, logits_to_keep=1)
+    ids = torch.arange(100, 100 + k).view(1, k)  # [1, k]
+    t0 = time.perf_counter()
+    model(input_ids=ids, cache=cache, logits_to_keep=k)
+    return 1000 * (time.perf_counter() - t0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--max-k", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = AutoModelForCausalLM.from_pretrained(ensure_cache(), dtype=torch.float32).eval()
     flat = copy.deepcopy(base)
     replaced = use_flat_linear(flat)
-    context = torch.randint(0, 49000, (1, args.context))
-    print(f"SmolLM2-135M float32, {args.threads} thread(s), context {args.context}, "
-          f"flat kernel on {replaced} linear layers")  # fmt: skip
-    print(f"{'k':>3} {'torch ms':>9} {'ratio':>6} {'flat ms':>8} {'ratio':>6}")
-    one = forward_ms(base, context, 1, args.reps)
-    for k in range(1, 10):
-        t = forward_ms(base, context, k, args.reps)
-        f = forward_ms(flat, context, k, args.reps)
-        print(f"{k:>3} {t:>9.1f} {t / one:>6.2f} {f:>8.1f} {f / one:>6.2f}")
+    use_sdpa_gqa(flat)
+    capacity = args.context + args.max_k + 1
+    variants = {
+        "torch": (base, lambda: DynamicCache(config=base.config)),
+        "pipespec": (flat, lambda: preallocated_cache(flat.config, capacity)),
+    }
+    context = torch.randint(0, 49000, (1, args.context), generator=torch.Generator().manual_seed(0))
+    ks = list(range(1, args.max_k + 1))
+    times: dict[tuple[str, int], list[float]] = {(v, k): [] for v in variants for k in ks}
+    for _ in range(args.rounds):
+        order = list(times)
+        random.shuffle(order)
+        for v, k in order:
+            times[(v, k)].append(forward_ms(*variants[v], context, k))
+    med = {key: statistics.median(ts) for key, ts in times.items()}
+    print(f"SmolLM2-135M float32, {args.threads} thread(s), context {args.context}, ISA {cpu_isa()}, "
+          f"flat kernel on {replaced} linear layers, median of {args.rounds} interleaved rounds")  # fmt: skip
+    print(f"{'k':>3} {'torch ms':>9} {'ratio':>6} {'pipespec ms':>12} {'ratio':>6}")
+    for k in ks:
+        t, f = med[("torch", k)], med[("pipespec", k)]
+        print(f"{k:>3} {t:>9.1f} {t / med[('torch', 1)]:>6.2f} {f:>12.1f} {f / med[('pipespec', 1)]:>6.2f}")
 
 
 if __name__ == "__main__":

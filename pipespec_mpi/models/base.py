@@ -12,12 +12,17 @@ from typing import Protocol
 
 import torch
 
+from pipespec_mpi.models.kv_cache import preallocated_cache
+
 
 class Scorer(Protocol):
     name: str
 
-    def prefill(self, prompt: Sequence[int]) -> None:
-        """Start a new sequence: reset the cache and encode all but the last prompt token."""
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+        """Start a new sequence: reset the cache and encode all but the last prompt token.
+
+        ``room``: how many positions the sequence may grow beyond the prompt (sizes the cache).
+        """
 
     def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
         """Logits [len(proposal)+1, V] for the positions after ``seq`` and each proposal prefix.
@@ -36,23 +41,24 @@ class Scorer(Protocol):
 class Proposer(Protocol):
     name: str
 
-    def prefill(self, prompt: Sequence[int]) -> None: ...
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None: ...
 
     def propose(self, seq: Sequence[int], limit: int) -> list[int]:
         """Up to ``limit`` draft tokens continuing ``seq`` (may be empty)."""
 
 
 class KVScorer:
-    """A transformers causal LM plus a ``DynamicCache`` rolled back with ``crop``."""
+    """A transformers causal LM plus a KV cache rolled back with ``crop``.
+
+    The cache is preallocated for prompt + ``room`` positions (``models/kv_cache.py``): appending
+    copies only the new tokens and rolling back moves an index.
+    """
 
     def __init__(self, name: str, model: torch.nn.Module, device: torch.device) -> None:
-        from transformers import DynamicCache
-
         self.name = name
         self.model = model.eval()
         self.device = device
-        self._cache_cls = DynamicCache
-        self._cache = DynamicCache(config=model.config)
+        self._cache = preallocated_cache(model.config, 1)
         self._len = 0
         self._ids = torch.empty(0, dtype=torch.long)
 
@@ -69,8 +75,8 @@ class KVScorer:
         n = getattr(self.model.config, "max_position_embeddings", None)
         return int(n) if n else None
 
-    def prefill(self, prompt: Sequence[int]) -> None:
-        self._cache = self._cache_cls(config=self.model.config)
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+        self._cache = preallocated_cache(self.model.config, len(prompt) + room)
         self._len = 0
         if len(prompt) > 1:
             self._forward(list(prompt[:-1]), keep=1)

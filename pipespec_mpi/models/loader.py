@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pipespec_mpi.config import HierarchyConfig, StageConfig, TokenizerConfig
+from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.base import KVScorer, Proposer, Scorer
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
@@ -130,6 +131,8 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     if stage.kind == "int8_copy":
         device = torch.device("cpu")
     model = _load_torch_model(hier, index, device, cuda_devices)
+    if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
+        use_sdpa_gqa(model)
     if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
         from pipespec_mpi.models.flat_linear import use_flat_linear
 

@@ -29,7 +29,7 @@ class PromptLookup:
         self.ngram = ngram
         self.max_proposal = max_proposal
 
-    def prefill(self, prompt: Sequence[int]) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
         pass
 
     def propose(self, seq: Sequence[int], limit: int) -> list[int]:

@@ -388,7 +388,8 @@ class StageLoop:
         if method == "ar" and not self.role.is_last:  # AR: the last model alone; others idle
             self._publish(done=True)
             return StageOutcome(tokens=[], finish_reason="idle", stats=self.stats)
-        self.model.prefill(self.prompt)
+        # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
+        self.model.prefill(self.prompt, room=self.cfg.max_new_tokens + self.cfg.max_verify + 1)
         t1 = time.perf_counter()
         self.stats.prefill_s = t1 - self.t_start
         self._event(self.t_start, t1, "prefill", len(self.prompt))
