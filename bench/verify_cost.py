@@ -4,9 +4,10 @@
 
 Two variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``, sdpa)
 and what the stages run (the flat small-M kernel of models/flat_linear.py, the preallocated cache
-of models/kv_cache.py and grouped-query SDPA without KV copies, models/attention.py). Measurements are interleaved: each round times every (variant, k) once
-in a shuffled order after the same context, so drifts of a shared machine hit all alike; the
-table shows medians over rounds and each variant's ratio to its own one-token step.
+of models/kv_cache.py and grouped-query SDPA without KV copies, models/attention.py).
+Measurements are interleaved: each round times every (variant, k) once in a shuffled order
+after the same context, so drifts of a shared machine hit all alike; the table shows medians
+over rounds and each variant's ratio to its own one-token step.
 Speculative decoding assumes that ratio is close to 1.
 """
 

@@ -34,8 +34,9 @@ def sdpa_gqa_forward(
     special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
     if groups == 1 or special or kwargs.get("output_attentions", False):
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
+            module, query, key, value, attention_mask,
+            dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
+        )  # fmt: skip
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # as in transformers: the flag only without a mask and beyond one query; top-left alignment

@@ -96,5 +96,7 @@ def preallocated_cache(config, capacity: int) -> DynamicCache:
     if not cache.layers:  # no layer structure known from the config: build one per decoder layer
         n = config.get_text_config(decoder=True).num_hidden_layers
         cache.layers = [DynamicLayer() for _ in range(n)]
-    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [
+        PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
+    ]
     return cache
