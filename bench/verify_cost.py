@@ -45,11 +45,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--max-k", type=int, default=9)
+    ap.add_argument("--isa", choices=["avx512", "avx2"], help="kernel build (default: the CPU's widest)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = AutoModelForCausalLM.from_pretrained(ensure_cache(), dtype=torch.float32).eval()
     flat = copy.deepcopy(base)
-    replaced = use_flat_linear(flat)
+    replaced = use_flat_linear(flat, args.isa)
     use_sdpa_gqa(flat)
     capacity = args.context + args.max_k + 1
     variants = {
@@ -65,7 +66,8 @@ def main() -> None:
         for v, k in order:
             times[(v, k)].append(forward_ms(*variants[v], context, k))
     med = {key: statistics.median(ts) for key, ts in times.items()}
-    print(f"SmolLM2-135M float32, {args.threads} thread(s), context {args.context}, ISA {cpu_isa()}, "
+    isa = args.isa or cpu_isa()
+    print(f"SmolLM2-135M float32, {args.threads} thread(s), context {args.context}, ISA {isa}, "
           f"flat kernel on {replaced} linear layers, median of {args.rounds} interleaved rounds")  # fmt: skip
     print(f"{'k':>3} {'torch ms':>9} {'ratio':>6} {'pipespec ms':>12} {'ratio':>6}")
     for k in ks:

@@ -170,7 +170,7 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w) {
 int64_t lanes() { return LANES; }
 """
 
-_ext = None
+_EXT: dict[str, object] = {}  # ISA -> compiled module, or None where it failed to build
 
 
 def cpu_isa() -> str | None:
@@ -190,28 +190,33 @@ def cpu_isa() -> str | None:
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
 
 
-def extension():
-    """The compiled kernel module, or None where it cannot be built (reason logged once)."""
-    global _ext
-    if _ext is None:
-        isa = cpu_isa()
-        if os.environ.get("PIPESPEC_FLAT_LINEAR", "1") == "0" or isa is None:
-            _ext = False
-        else:
-            try:
-                from torch.utils.cpp_extension import load_inline
+def supported_isas() -> list[str]:
+    """The kernel builds this CPU can run, widest first."""
+    isa = cpu_isa()
+    return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(isa or "", [])
 
-                _ext = load_inline(
-                    name=f"pipespec_flat_linear_v3_{isa}",
-                    cpp_sources=[_CPP],
-                    functions=["small_m_linear", "lanes"],
-                    extra_cflags=["-O3", *_ISA_FLAGS[isa]],
-                    verbose=False,
-                )
-            except Exception as err:  # noqa: BLE001 - fall back to torch's matmul
-                log.warning("flat-cost linear kernel unavailable (%s); using torch matmul", err)
-                _ext = False
-    return _ext or None
+
+def extension(isa: str | None = None):
+    """The compiled kernel for ``isa`` (default: the widest this CPU has), or None where it cannot
+    be built (the reason is logged once). PIPESPEC_FLAT_LINEAR=0 turns the kernel off."""
+    isa = isa or cpu_isa()
+    if os.environ.get("PIPESPEC_FLAT_LINEAR", "1") == "0" or isa not in supported_isas():
+        return None
+    if isa not in _EXT:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _EXT[isa] = load_inline(
+                name=f"pipespec_flat_linear_v3_{isa}",
+                cpp_sources=[_CPP],
+                functions=["small_m_linear", "lanes"],
+                extra_cflags=["-O3", *_ISA_FLAGS[isa]],
+                verbose=False,
+            )
+        except Exception as err:  # noqa: BLE001 - fall back to torch's matmul
+            log.warning("flat-cost linear kernel (%s) unavailable (%s); using torch matmul", isa, err)
+            _EXT[isa] = None
+    return _EXT[isa]
 
 
 class FlatLinear(torch.nn.Module):
@@ -234,9 +239,9 @@ class FlatLinear(torch.nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def use_flat_linear(model: torch.nn.Module) -> int:
+def use_flat_linear(model: torch.nn.Module, isa: str | None = None) -> int:
     """Replace the float32 CPU nn.Linear layers of ``model``; returns how many were replaced."""
-    kernel = extension()
+    kernel = extension(isa)
     if kernel is None:
         return 0
     count = 0
