@@ -127,6 +127,13 @@ class DecodeConfig:
     max_new_tokens: int = 64
     max_run_ahead: int = 16
     max_verify: int = 16
+    sd_window: int | None = None  # SD's fixed window; None: the lookahead
+
+    def window(self, method: str) -> int:
+        """Proposals a verifier waits for under ``method``: SD's fixed window, else the lookahead."""
+        if method == "sd" and self.sd_window is not None:
+            return self.sd_window
+        return self.lookahead
 
 
 @dataclass(frozen=True)
@@ -318,14 +325,21 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
     if not _int(d.max_verify) or d.max_verify < 1:
         p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
-    elif _int(d.lookahead) and d.max_verify < d.lookahead:
-        p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead}")
-    if not _int(d.max_run_ahead) or d.max_run_ahead < max(1, d.lookahead if _int(d.lookahead) else 1):
-        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead})")
-    if cfg.method.name == "sd" and d.lookahead == 0:
-        p.append("lookahead=0 with method=sd: synchronous SD verifies a fixed window; use >= 1")
-    if cfg.run.mode == "benchmark" and "sd" in cfg.run.methods and d.lookahead == 0:
-        p.append("lookahead=0 in mode=benchmark: sd needs a window >= 1 (e.g. lookahead=4)")
+    if d.sd_window is not None and (not _int(d.sd_window) or not 1 <= d.sd_window <= 64):
+        p.append(f"decode.sd_window={d.sd_window}: must be null (= lookahead) or an integer in 1..64")
+    windows = [w for w in (d.lookahead, d.sd_window) if _int(w)]
+    if _int(d.max_verify) and windows and d.max_verify < max(windows):
+        p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead} "
+                 f"and sd_window={d.sd_window}")  # fmt: skip
+    if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
+        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead}, "
+                 f"sd_window={d.sd_window})")  # fmt: skip
+    sd_needed = cfg.method.name == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
+    if sd_needed and d.sd_window is None and d.lookahead == 0:
+        p.append(
+            "lookahead=0 with sd (method=sd or in mode=benchmark) and decode.sd_window=null: "
+            "synchronous SD verifies a fixed window: set decode.sd_window or lookahead >= 1"
+        )
 
     ds = cfg.dataset
     if ds.name not in DATASETS:

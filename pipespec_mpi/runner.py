@@ -298,7 +298,7 @@ class Runner:
             "wall_s": t_wall,
             "ms_per_token": 1000 * t_wall / n if n else 0.0,
             "ttft_s": commits[0][0] if commits else t_wall,
-            "lookahead": self.cfg.decode.lookahead,
+            "lookahead": self.cfg.decode.window(job.method),
             "max_run_ahead": self.cfg.decode.max_run_ahead,
             "max_verify": self.cfg.decode.max_verify,
             "max_new_tokens": self.cfg.decode.max_new_tokens,

@@ -338,7 +338,7 @@ class StageLoop:
         limit = min(self.cfg.max_verify, budget - 1)
         pending = len(self.inbox.tokens)
         if method == "sd":
-            window = min(self.cfg.lookahead, limit)
+            window = min(self.cfg.window("sd"), limit)
             self.want = len(self.out) + window
             if window == 0:
                 self._step("own")

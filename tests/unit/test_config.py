@@ -20,7 +20,8 @@ def typed(*overrides: str):
 def test_default_composes():
     c = typed()
     assert c.hierarchy.n_stages == 3
-    assert c.method.name == "pipespec" and c.decode.lookahead == 2
+    assert c.method.name == "pipespec" and c.decode.lookahead == 0 and c.decode.max_run_ahead == 8
+    assert c.decode.window("sd") == 2
 
 
 def test_overrides_reach_their_components():
@@ -43,7 +44,18 @@ def test_every_bad_value_is_named_at_once():
 
 def test_sd_needs_a_window():
     with pytest.raises(ConfigError, match="method=sd"):
-        typed("method=sd", "lookahead=0")
+        typed("method=sd", "lookahead=0", "decode.sd_window=null")
+    with pytest.raises(ConfigError, match="mode=benchmark"):
+        typed("mode=benchmark", "lookahead=0", "decode.sd_window=null")
+    with pytest.raises(ConfigError, match="decode.sd_window=0"):
+        typed("decode.sd_window=0")
+
+
+def test_sd_window_is_separate_from_pipespec_lookahead():
+    d = typed("mode=benchmark", "lookahead=0", "decode.sd_window=3").decode
+    assert (d.window("pipespec"), d.window("sd"), d.window("ar")) == (0, 3, 0)
+    d = typed("lookahead=4", "decode.sd_window=null").decode
+    assert d.window("sd") == d.window("pipespec") == 4
 
 
 def test_unknown_keys_are_errors():
