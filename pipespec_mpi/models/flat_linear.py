@@ -133,11 +133,12 @@ typedef void (*group_fn)(const float*, const float*, float*, int64_t, int64_t, i
 template <int G>
 static void fill(group_fn* t) { t[G] = group_rows<G>; if constexpr (G > 1) fill<G - 1>(t); }
 
-static group_fn table(int g) {
-  static group_fn t[GROUP + 1] = {nullptr};
-  if (!t[1]) fill<GROUP>(t);
-  return t[g];
-}
+struct Table {  // group_rows<G> for G = 1..GROUP
+  group_fn f[GROUP + 1];
+  Table() { f[0] = nullptr; fill<GROUP>(f); }
+};
+
+static const Table& table() { static const Table t; return t; }  // thread-safe initialisation
 
 // Blocks of 2*BLOCK weight rows (even, so the pairing never depends on threads); inside a block,
 // x is taken GROUP rows at a time while the block's weights are still in cache.
@@ -145,12 +146,13 @@ static void run(const float* X, const float* W, float* Y, int64_t M, int64_t K, 
   const int64_t BLOCK = 32;
   // x rows per pass: as many as the registers allow while the group (G*K floats) stays in L1
   const int64_t g_max = std::max<int64_t>(1, std::min<int64_t>(GROUP, X_IN_L1 / K));
+  const Table& tab = table();
   at::parallel_for(0, (N + 2 * BLOCK - 1) / (2 * BLOCK), 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 2 * BLOCK, n1 = std::min(N, n0 + 2 * BLOCK);
       for (int64_t m0 = 0; m0 < M; m0 += g_max) {
         const int64_t g = std::min<int64_t>(g_max, M - m0);
-        table(g)(X + m0 * K, W, Y + m0 * N, K, N, n0, n1);
+        tab.f[g](X + m0 * K, W, Y + m0 * N, K, N, n0, n1);
       }
     }
   });
