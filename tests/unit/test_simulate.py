@@ -297,3 +297,19 @@ def test_paper_trace_is_rebuilt_from_committed_counts():
     t = sim.committed_to_trace([3, 1, 2], boundary=False)
     assert t == {0: True, 1: True, 2: False, 3: False, 4: True, 5: False}
     assert 2 not in sim.committed_to_trace([3, 1, 2])
+
+
+# ------------------------------------------------------------------------------ liveness
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("run_ahead", [1, 2, 3, 8])
+def test_no_stall_with_tight_run_ahead_and_message_latency(seed, run_ahead):
+    """Tight run-ahead bounds, lookaheads and message latencies never stall the simulated pipeline
+    (a stage blocked by its bound must still re-send what a downstream epoch change asked for)."""
+    look = min(2, run_ahead)
+    for accept in ([0.6, 0.5], [0.9, 0.3], [0.3, 0.9]):
+        r = simulate(
+            [DRAFT, MID, TARGET], accept,
+            cfg(method="pipespec", lookahead=look, max_run_ahead=run_ahead, max_new_tokens=48,
+                latency_s=0.3 * MS, seed=seed),
+        )  # fmt: skip
+        assert r.n_tokens == 48 and r.lossless
