@@ -597,7 +597,6 @@ class _Stage:
         if self.downstream is not None and self._sync_downstream(t):
             self._finish(t)
             return
-        self._send_new(t)  # as stage.py: re-send what a downstream epoch change asked for
         if self.upstream is not None and method != "ar":
             self._poll_upstream(t)
         if self.is_last and self._capped:

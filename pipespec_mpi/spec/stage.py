@@ -407,10 +407,6 @@ class StageLoop:
             self.win.beat()
             if self.role.downstream is not None and self._sync_downstream():
                 return "done"
-            # A downstream epoch change may have asked for tokens again (``sent`` moved back);
-            # send them now: a stage blocked by its run-ahead bound would otherwise never act,
-            # hence never send, while the downstream waits for exactly those tokens.
-            self._send_new()
             if self.receiver is not None and method != "ar":
                 self._poll_upstream()
             if self.role.is_last and self._capped:
