@@ -318,28 +318,8 @@ def validate(cfg: AppConfig) -> list[str]:
     if cfg.method.name not in METHODS:
         p.append(f"method.name={cfg.method.name!r}: must be one of {METHODS}")
 
-    d = cfg.decode
-    if not _int(d.lookahead) or not 0 <= d.lookahead <= 64:
-        p.append(f"lookahead={d.lookahead}: must be an integer in 0..64")
-    if not _int(d.max_new_tokens) or not 1 <= d.max_new_tokens <= 32768:
-        p.append(f"max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
-    if not _int(d.max_verify) or d.max_verify < 1:
-        p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
-    if d.sd_window is not None and (not _int(d.sd_window) or not 1 <= d.sd_window <= 64):
-        p.append(f"decode.sd_window={d.sd_window}: must be null (= lookahead) or an integer in 1..64")
-    windows = [w for w in (d.lookahead, d.sd_window) if _int(w)]
-    if _int(d.max_verify) and windows and d.max_verify < max(windows):
-        p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead} "
-                 f"and sd_window={d.sd_window}")  # fmt: skip
-    if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
-        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead}, "
-                 f"sd_window={d.sd_window})")  # fmt: skip
     sd_needed = cfg.method.name == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
-    if sd_needed and d.sd_window is None and d.lookahead == 0:
-        p.append(
-            "lookahead=0 with sd (method=sd or in mode=benchmark) and decode.sd_window=null: "
-            "synchronous SD verifies a fixed window: set decode.sd_window or lookahead >= 1"
-        )
+    p.extend(validate_decode(cfg.decode, sd_needed))
 
     ds = cfg.dataset
     if ds.name not in DATASETS:
@@ -384,4 +364,30 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"run.epochs_window={r.epochs_window!r}: must be auto or rma")
     if r.stall_timeout_s <= 0:
         p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
+    return p
+
+
+def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
+    """The stage loop's settings: every problem, naming the keys and values."""
+    p: list[str] = []
+    if not _int(d.lookahead) or not 0 <= d.lookahead <= 64:
+        p.append(f"lookahead={d.lookahead}: must be an integer in 0..64")
+    if not _int(d.max_new_tokens) or not 1 <= d.max_new_tokens <= 32768:
+        p.append(f"max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
+    if not _int(d.max_verify) or d.max_verify < 1:
+        p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
+    if d.sd_window is not None and (not _int(d.sd_window) or not 1 <= d.sd_window <= 64):
+        p.append(f"decode.sd_window={d.sd_window}: must be null (= lookahead) or an integer in 1..64")
+    windows = [w for w in (d.lookahead, d.sd_window) if _int(w)]
+    if _int(d.max_verify) and windows and d.max_verify < max(windows):
+        p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead} "
+                 f"and sd_window={d.sd_window}")  # fmt: skip
+    if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
+        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead}, "
+                 f"sd_window={d.sd_window})")  # fmt: skip
+    if sd_needed and d.sd_window is None and d.lookahead == 0:
+        p.append(
+            "lookahead=0 with sd (method=sd or in mode=benchmark) and decode.sd_window=null: "
+            "synchronous SD verifies a fixed window: set decode.sd_window or lookahead >= 1"
+        )
     return p

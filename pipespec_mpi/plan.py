@@ -1,6 +1,6 @@
 """Planner: predict the best AR, SD and PipeSpec configurations with the simulator.
 
-  python -m pipespec_mpi.plan                      # the paper's models (simulate.PAPER_*)
+  python -m pipespec_mpi.plan                      # the paper's models (simulate/paper.py)
   python -m pipespec_mpi.plan --config plan.yaml   # your latency profiles and acceptance rates
   python -m pipespec_mpi.plan --from RUN_DIR       # profiles and rates measured in a run
 
@@ -41,6 +41,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi import simulate as sim
+from pipespec_mpi.config import METHODS, DecodeConfig
+from pipespec_mpi.simulate.calibration import calibrate, load_records
+from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "hierarchy"
 
@@ -146,14 +149,14 @@ def load_plan_config(path: str | Path) -> PlanInputs:
 def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     """Profiles, adjacent-pair rates and latencies measured in a run (its PipeSpec records if
     any, else SD, else AR)."""
-    recs = sim.load_records(run_dir)
+    recs = load_records(run_dir)
     by: dict[str, list[dict]] = {}
     for r in recs:
         by.setdefault(r["method"], []).append(r)
     method = next((m for m in ("pipespec", "sd", "ar") if m in by), None)
     if method is None:
         raise ValueError(f"{run_dir}: no records")
-    cal = sim.calibrate(by[method])
+    cal = calibrate(by[method])
     names = [p.name for p in cal.profiles]
     models = {p.name: p for p in cal.profiles}
     rates = {(a, b): r for a, b, r in zip(names, names[1:], cal.rates)}
@@ -178,18 +181,18 @@ PAPER_STAGE_NAMES = {"1B": "llama-3.2-1b", "8B": "llama-3.1-8b", "70B": "llama-3
 
 
 def paper_inputs(blocking_reads: bool = False) -> PlanInputs:
-    """The paper's models (simulate.PAPER_*), i.i.d. rates; overrides for the Llama preset."""
+    """The paper's models (simulate/paper.py), i.i.d. rates; overrides for the Llama preset."""
     defs = stage_defs_of(PAPER_HIERARCHY) or {}
     stage_defs = {k: defs[v] for k, v in PAPER_STAGE_NAMES.items() if v in defs}
     return PlanInputs(
-        models=dict(sim.PAPER_PROFILES),
-        rates=dict(sim.PAPER_RATES["iid"]),
+        models=dict(PAPER_PROFILES),
+        rates=dict(PAPER_RATES["iid"]),
         target="70B",
-        latency_s=sim.PAPER_LATENCY_S,
+        latency_s=PAPER_LATENCY_S,
         blocking_reads=blocking_reads,
         hierarchy=PAPER_HIERARCHY if len(stage_defs) == 3 else None,
         stage_defs=stage_defs if len(stage_defs) == 3 else None,
-        source="the paper's setting (simulate.PAPER_*, i.i.d. rates)",
+        source="the paper's setting (simulate/paper.py, i.i.d. rates)",
     )
 
 
@@ -235,10 +238,9 @@ def evaluate(
     transitive: bool = False,
 ) -> list[Candidate]:
     """Every candidate, with its predicted ms/token and speedup over AR of the target."""
+    decode = DecodeConfig(max_new_tokens=n_tokens, max_run_ahead=max_run_ahead, max_verify=max_verify)
     base = sim.SimConfig(
-        max_new_tokens=n_tokens,
-        max_run_ahead=max_run_ahead,
-        max_verify=max_verify,
+        decode=decode,
         latency_s=inp.latency_s,
         up_latency_s=inp.up_latency_s,
         blocking_reads=inp.blocking_reads,
@@ -255,7 +257,8 @@ def evaluate(
             for la in looks:
                 if la > max_verify or la > max_run_ahead:
                     continue
-                cfg = replace(base, method=method, lookahead=la)
+                window = {"sd_window": la} if method == "sd" else {"lookahead": la}
+                cfg = replace(base, method=method, decode=replace(decode, **window))
                 ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
                 cands.append(Candidate(method, models, la, ms, ar_ms / ms))
     return cands
@@ -263,7 +266,7 @@ def evaluate(
 
 def best(cands: Sequence[Candidate], top: int = 3) -> dict[str, list[Candidate]]:
     out: dict[str, list[Candidate]] = {}
-    for m in sim.METHODS:
+    for m in METHODS:
         cs = sorted((c for c in cands if c.method == m), key=lambda c: c.ms_per_token)
         out[m] = cs[:top]
     return out

@@ -256,3 +256,34 @@ def speedup_vs_lookahead(
         ax.legend(fontsize=8)
     fig.suptitle("Lookahead sweep (cf. paper Fig. 4)")
     return _save(fig, path)
+
+
+def simulator_calibration(rows: Sequence[Mapping], path: Path) -> Path:
+    """Simulated vs measured ms/token, one point per (run, method), with the +-15% band."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    fig = Figure(figsize=(5.5, 5))
+    ax = fig.add_subplot()
+    xs = [r["measured_ms_per_token"] for r in rows]
+    lo, hi = min(xs) * 0.7, max(xs) * 1.4
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [0.85 * lo, 0.85 * hi], [1.15 * lo, 1.15 * hi], color="0.9", label="+-15%")
+    for m, c in METHOD_COLORS.items():
+        sel = [r for r in rows if r["method"] == m]
+        if sel:
+            ax.scatter([r["measured_ms_per_token"] for r in sel], [r["predicted_ms_per_token"] for r in sel],
+                       color=c, label=m, zorder=3, s=28)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("measured ms/token")
+    ax.set_ylabel("simulated ms/token")
+    ax.set_title("Simulator vs runs of this project (CPU)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)

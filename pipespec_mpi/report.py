@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from pipespec_mpi import metrics
+from pipespec_mpi.records import RESULTS, read_records
 
 METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
-RESULTS = "results.jsonl"
 
 
 class ReportError(ValueError):
@@ -69,18 +69,6 @@ def _yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         return None
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of ``results.jsonl``; a line cut short (a killed job) is skipped."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"[report] {path}: skipping a malformed line", file=sys.stderr)
-    return out
 
 
 def load_run(path: Path, multirun: Path | None = None) -> Run:

@@ -1,9 +1,10 @@
 """One job on one rank: place the rank, load its stage, decode the replica's prompts, write results.
 
-Data path: prompts (rank 0 loads and tokenizes, broadcasts) -> per prompt and method: reset
-windows, start barrier, StageLoop.run on every stage -> stage stats to the replica's leader (its
-last stage) -> one JSON line appended to ``parts/replica-<r>.jsonl`` -> at the end rank 0 merges
-the parts into ``results.jsonl`` and writes ``summary.json`` (and ``benchmark.json``).
+Data path: prompts (rank 0 loads and tokenizes, broadcasts) -> per prompt and method, driven by
+``StageProcess`` (stage/process.py): reset the window header, the start gate (a non-blocking
+barrier of the replica), the stage loop, the stage stats to the replica's leader (its last stage)
+-> one JSON line appended to ``parts/replica-<r>.jsonl`` -> at the end rank 0 merges the parts
+into ``results.jsonl`` and writes ``summary.json`` (and ``benchmark.json``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
-from pipespec_mpi.spec.sampling import Sampler, mix
-from pipespec_mpi.spec.stage import StageLoop, StageRole
+from pipespec_mpi.speculative.sampling import Sampler, mix
+from pipespec_mpi.speculative.verifiers import make_verifier
+from pipespec_mpi.stage.loop import StageLoop, StageRole
+from pipespec_mpi.stage.process import StageProcess, drive
+from pipespec_mpi.stage.stats import StageOutcome
 from pipespec_mpi.topology import Placement, device_for, place
 
 log = logging.getLogger("pipespec_mpi")
@@ -116,6 +120,61 @@ def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str,
                 if (pid, m, k) not in done:
                     jobs.append(Job(seq, pid, ids, m, warmup=False, sample_idx=k))
     return jobs
+
+
+class PerfClock:
+    """The stage's clock on a rank: ``time.perf_counter`` (one clock for the processes of a node)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class BarrierGate:
+    """The start of a prompt: a non-blocking barrier over the replica's stages."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.req = None
+
+    def open(self, seq: int) -> None:
+        self.req = self.comm.Ibarrier()
+
+    def passed(self) -> bool:
+        return self.req.Test()
+
+
+class LeaderHandoff:
+    """Stage stats, with the rank's resource use, to the replica's leader (its last stage), which
+    assembles the record."""
+
+    def __init__(self, comm, stage: int, n_stages: int, gpu_monitor, on_record) -> None:
+        self.comm, self.stage, self.leader = comm, stage, n_stages - 1
+        self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
+        self.on_record = on_record  # leader: (job, its outcome, every stage's stats) -> None
+        self.req = None
+        self.job = self.outcome = None
+        self.stats: list[dict | None] = []
+
+    def post(self, job, outcome: StageOutcome) -> None:
+        outcome.stats.gpus = self.gpu_monitor.stop()
+        outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if self.stage != self.leader:
+            self.req = self.comm.isend(outcome.stats.as_dict(), dest=self.leader, tag=STATS_TAG)
+            return
+        self.job, self.outcome = job, outcome
+        self.stats = [None] * (self.leader + 1)
+        self.stats[self.leader] = outcome.stats.as_dict()
+
+    def delivered(self) -> bool:
+        if self.stage != self.leader:
+            return self.req.Test()
+        for s, got in enumerate(self.stats):
+            if got is None and self.comm.iprobe(source=s, tag=STATS_TAG):
+                self.stats[s] = self.comm.recv(source=s, tag=STATS_TAG)
+        if any(got is None for got in self.stats):
+            return False
+        self.on_record(self.job, self.outcome, self.stats)
+        return True
 
 
 class Runner:
@@ -245,18 +304,16 @@ class Runner:
         self.replica_comm = self.comm.Split(color=pl.replica, key=pl.stage)
         role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
         self.loop = StageLoop(
-            role, self.model, self.window, self.sender, self.receiver, cfg.decode,
-            self.tokenizer.eos_token_id, cfg.run.stall_timeout_s, vocab=self.vocab,
+            role, self.model, self.window, self.sender, self.receiver, PerfClock(), cfg.decode,
+            self.tokenizer.eos_token_id, vocab=self.vocab,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ per prompt
     def _wait(self, cond, what: str) -> None:
-        """Wait without spinning; keep draining proposals so the upstream's sends complete."""
+        """Wait without spinning, taking in proposals (kept for their prompt) and beating."""
 
         def check() -> bool:
-            self.window.beat()
-            if self.receiver is not None:
-                self.receiver.poll()
+            self.loop.pump()
             return cond()
 
         wait_until(check, self.cfg.run.stall_timeout_s, what)
@@ -265,21 +322,12 @@ class Runner:
         req = comm.Ibarrier()
         self._wait(lambda: req.Test(), what)
 
-    def _collect(self, job: Job, outcome, t_wall: float) -> dict | None:
-        """Send stage stats to the leader; the leader returns the full record."""
-        pl, rc = self.pl, self.replica_comm
-        leader = pl.n_stages - 1
-        if not pl.is_last:
-            req = rc.isend(outcome.stats.as_dict(), dest=leader, tag=STATS_TAG)
-            self._wait(lambda: req.Test(), "the leader to take the stage stats")
-            return None
-        stats = [None] * pl.n_stages
-        stats[leader] = outcome.stats.as_dict()
-        for s in range(pl.n_stages - 1):
-            self._wait(lambda s=s: rc.iprobe(source=s, tag=STATS_TAG), f"stats of stage {s}")
-            stats[s] = rc.recv(source=s, tag=STATS_TAG)
+    def _record(self, job: Job, outcome: StageOutcome, stats: list[dict]) -> dict:
+        """The results line of one job, assembled by the replica's leader."""
+        pl = self.pl
         n = len(outcome.tokens)
         commits = outcome.stats.commit_times
+        t_wall = outcome.wall_s
         return {
             "prompt_id": job.prompt_id,
             "replica": pl.replica,
@@ -307,17 +355,6 @@ class Runner:
             "models": [s.name for s in self.cfg.hierarchy.stages],
             "stages": stats,
         }
-
-    def _run_job(self, job: Job) -> dict | None:
-        self.loop.reset(job.seq)
-        self._barrier(self.replica_comm, f"replica {self.pl.replica} to start prompt {job.prompt_id}")
-        self.gpu_monitor.start()
-        t0 = time.perf_counter()
-        outcome = self.loop.run(job.seq, job.prompt_ids, job.method, sampler_for(self.cfg, job))
-        t_wall = time.perf_counter() - t0
-        outcome.stats.gpus = self.gpu_monitor.stop()
-        outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        return self._collect(job, outcome, t_wall)
 
     # ------------------------------------------------------------------ the job
     def part_path(self, replica: int) -> Path:
@@ -351,25 +388,36 @@ class Runner:
             self.part_path(self.pl.replica).parent.mkdir(parents=True, exist_ok=True)
             part = open(self.part_path(self.pl.replica), "a", encoding="utf-8")  # noqa: SIM115
         bar = self._progress(len(jobs))
-        for i, job in enumerate(jobs):
-            maybe_fail(self.world.rank, i)
-            try:
-                rec = self._run_job(job)
-            except StallError as err:
-                raise StallError(f"{err}{self._culprits()}") from err
-            if rec is not None:
-                part.write(json.dumps(rec) + "\n")
-                part.flush()
-                os.fsync(part.fileno())
-                if bar is not None:
-                    bar.update(1)
-                    last = rec["stages"][-1]
-                    acc = last["tokens_accepted"] / last["verifications"] if last["verifications"] else 0
-                    bar.set_postfix(
-                        method=job.method,
-                        tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}",
-                        accepted=f"{acc:.2f}",
-                    )
+        index = {job.seq: i for i, job in enumerate(jobs)}
+
+        def start(job: Job) -> None:
+            maybe_fail(self.world.rank, index[job.seq])
+            self.gpu_monitor.start()
+
+        def write(job: Job, outcome: StageOutcome, stats: list[dict]) -> None:
+            rec = self._record(job, outcome, stats)
+            part.write(json.dumps(rec) + "\n")
+            part.flush()
+            os.fsync(part.fileno())
+            if bar is not None:
+                bar.update(1)
+                last = rec["stages"][-1]
+                acc = last["tokens_accepted"] / last["verifications"] if last["verifications"] else 0
+                bar.set_postfix(
+                    method=job.method,
+                    tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}",
+                    accepted=f"{acc:.2f}",
+                )
+
+        handoff = LeaderHandoff(self.replica_comm, self.pl.stage, self.pl.n_stages, self.gpu_monitor, write)
+        process = StageProcess(
+            self.loop, BarrierGate(self.replica_comm), handoff, jobs,
+            verifier_for=lambda job: make_verifier(sampler_for(self.cfg, job), self.pl.stage), on_start=start,
+        )  # fmt: skip
+        try:
+            drive(process, self.cfg.run.stall_timeout_s)
+        except StallError as err:
+            raise StallError(f"{err}{self._culprits()}") from err
         if part is not None:
             part.close()
         if bar is not None:

@@ -78,22 +78,33 @@ def _gloo_done(work) -> bool:
 class _SendRing:
     """Preallocated send buffers; a buffer is reused only once its send completed."""
 
-    def __init__(self, depth: int, width: int, make_buf, isend, test) -> None:
+    def __init__(self, depth: int, width: int, make_buf, test) -> None:
         self.bufs = [make_buf(width) for _ in range(depth)]
         self.reqs: list = [None] * depth
         self.next = 0
-        self._isend, self._test = isend, test
+        self._test = test
 
-    def acquire(self, wait) -> int:
+    def _free(self, i: int) -> bool:
+        # a request is tested until it completes, never after (a gloo work must not be waited twice)
+        if self.reqs[i] is not None and self._test(self.reqs[i]):
+            self.reqs[i] = None
+        return self.reqs[i] is None
+
+    def _take(self) -> int:
         i = self.next
-        if self.reqs[i] is not None:
-            wait(lambda: self._test(self.reqs[i]), "a send buffer to free up")
-        self.reqs[i] = None
         self.next = (i + 1) % len(self.bufs)
         return i
 
+    def try_acquire(self) -> int | None:
+        """The next buffer if its previous send has completed, else None (never blocks)."""
+        return self._take() if self._free(self.next) else None
+
+    def acquire(self, wait) -> int:
+        wait(lambda: self._free(self.next), "a free send buffer")
+        return self._take()
+
     def drained(self) -> bool:
-        return all(r is None or self._test(r) for r in self.reqs)
+        return all(self._free(i) for i in range(len(self.bufs)))
 
 
 class Sender:
@@ -108,13 +119,7 @@ class Sender:
         words = buffer_words(max_msg_tokens, dist_width)
         if transport == "mpi":
             self.comm = comm
-            self.ring = _SendRing(
-                depth,
-                words,
-                lambda w: np.zeros(w, dtype=np.int64),
-                None,
-                lambda r: r.Test(),
-            )
+            self.ring = _SendRing(depth, words, lambda w: np.zeros(w, dtype=np.int64), lambda r: r.Test())
         else:
             import torch
 
@@ -124,17 +129,11 @@ class Sender:
             # receives posted, so that wait is short (the data is handed to the socket).
             test = (lambda r: r.is_completed()) if transport == "nccl" else _gloo_done
             self.ring = _SendRing(
-                depth,
-                words,
-                lambda w: torch.zeros(w, dtype=torch.int64, device=self.device),
-                None,
-                test,
+                depth, words, lambda w: torch.zeros(w, dtype=torch.int64, device=self.device), test
             )
         self.bytes_sent = 0
-        self.messages = 0
 
-    def _post(self, wait, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
-        i = self.ring.acquire(wait)
+    def _post(self, i: int, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
         enc = dict(dists=dists, width=self.width, dist_width=self.dist_width)
         if self.transport == "mpi":
             buf = self.ring.bufs[i]
@@ -150,15 +149,22 @@ class Sender:
             self.ring.bufs[i].copy_(torch.from_numpy(self.host), non_blocking=False)
             self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
             self.bytes_sent += 8 * self.ring.bufs[i].numel()  # torch p2p sends whole buffers
-        self.messages += 1
 
-    def send(self, wait, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
-        """Send tokens for positions start.. in as many messages as their width needs.
+    def try_send(self, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> int:
+        """Post tokens for positions start.. in as many messages as their width needs, as far as
+        free buffers allow; returns how many tokens were posted (never blocks).
 
         With sampling, ``dists`` [len(tokens), V] carries the distribution of each token."""
+        posted = 0
         for off in range(0, len(tokens), self.width):
-            chunk = None if dists is None else dists[off : off + self.width]
-            self._post(wait, prompt, epoch, start + off, tokens[off : off + self.width], chunk)
+            i = self.ring.try_acquire()
+            if i is None:
+                break
+            chunk = tokens[off : off + self.width]
+            rows = None if dists is None else dists[off : off + self.width]
+            self._post(i, prompt, epoch, start + off, chunk, rows)
+            posted += len(chunk)
+        return posted
 
     def close(self, wait) -> None:
         """Match every receive the peer keeps posted with a close message, then drain."""

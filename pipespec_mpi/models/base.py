@@ -1,50 +1,13 @@
-"""The two things a stage can compute with.
-
-``Scorer``: a causal LM with a KV cache that can be cut back to any length. It returns the
-logits for the positions after a committed sequence plus an optional proposal, in one forward.
-``Proposer``: a model-free drafter (prompt lookup) that proposes tokens from the text so far.
-"""
+"""``KVScorer``: a transformers causal LM as a stage's ``Scorer`` (the protocols of what a stage
+computes with, ``Scorer`` and ``Proposer``, are in stage/ports.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from pipespec_mpi.models.kv_cache import preallocated_cache
-
-
-class Scorer(Protocol):
-    name: str
-
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
-        """Start a new sequence: reset the cache and encode all but the last prompt token.
-
-        ``room``: how many positions the sequence may grow beyond the prompt (sizes the cache).
-        """
-
-    def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
-        """Logits [len(proposal)+1, V] for the positions after ``seq`` and each proposal prefix.
-
-        ``seq`` is the full sequence (prompt + committed tokens); tokens not yet in the cache are
-        encoded in the same forward. Afterwards the cache holds seq + proposal.
-        """
-
-    def truncate(self, length: int) -> None:
-        """Cut the cache back to its first ``length`` positions (no-op if it is shorter)."""
-
-    @property
-    def cached(self) -> int: ...
-
-
-class Proposer(Protocol):
-    name: str
-
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None: ...
-
-    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` draft tokens continuing ``seq`` (may be empty)."""
 
 
 class KVScorer:
@@ -60,11 +23,6 @@ class KVScorer:
         self.device = device
         self._cache = preallocated_cache(model.config, 1)
         self._len = 0
-        self._ids = torch.empty(0, dtype=torch.long)
-
-    @property
-    def cached(self) -> int:
-        return self._len
 
     @property
     def vocab_size(self) -> int:

@@ -15,10 +15,11 @@ import torch
 
 from pipespec_mpi.config import HierarchyConfig, StageConfig, TokenizerConfig
 from pipespec_mpi.models.attention import use_sdpa_gqa
-from pipespec_mpi.models.base import KVScorer, Proposer, Scorer
+from pipespec_mpi.models.base import KVScorer
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from pipespec_mpi.stage.ports import Proposer, Scorer
 
 DTYPES = {
     "float32": torch.float32,

@@ -16,7 +16,7 @@ from conftest import launch_ok, outputs_by_method
 
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models.tiny import build_tiny
-from pipespec_mpi.spec.sampling import processed_logprobs
+from pipespec_mpi.speculative.sampling import processed_logprobs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 N = 400

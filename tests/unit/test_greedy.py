@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipespec_mpi.spec.greedy import count_accepted, greedy_verify
+from pipespec_mpi.speculative.greedy import count_accepted, greedy_verify
 
 
 def logits_for(ids: list[int], vocab: int = 10) -> torch.Tensor:

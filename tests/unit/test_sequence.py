@@ -1,4 +1,4 @@
-from pipespec_mpi.spec.sequence import Inbox, adopt, common_prefix
+from pipespec_mpi.speculative.sequence import Inbox, adopt, common_prefix
 
 
 def test_common_prefix():

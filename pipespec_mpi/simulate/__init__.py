@@ -1,0 +1,15 @@
+"""Discrete-event simulation of AR, SD and PipeSpec over k stages, driving the real stage loop.
+
+inputs.py       LatencyProfile (forward cost by tokens and context), Acceptance, SimConfig
+oracle.py       oracle models (token agreement at set rates or along recorded traces), SimClock
+engine.py       the timed engine: simulated clock, window and channels with delays
+calibration.py  simulator inputs fitted from a run directory; predict a run's ms/token
+paper.py        the paper's setting (profiles, acceptance traces, reported results)
+explore.py      the schedule explorer: the same loop under adversarial schedules
+cli.py          ``python -m pipespec_mpi.simulate`` (docs/simulator.md)
+"""
+
+from pipespec_mpi.simulate.engine import SimResult, mean_ms_per_token, simulate
+from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
+
+__all__ = ["Acceptance", "LatencyProfile", "SimConfig", "SimResult", "mean_ms_per_token", "simulate"]

@@ -1,0 +1,7 @@
+"""``python -m pipespec_mpi.simulate``: see cli.py."""
+
+import sys
+
+from pipespec_mpi.simulate.cli import main
+
+sys.exit(main())

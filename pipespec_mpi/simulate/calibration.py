@@ -1,0 +1,511 @@
+"""Simulator inputs from a real run: forward-cost profiles, acceptance, latencies, traces.
+
+A run directory holds results.jsonl: one record per (prompt, method), each with per-stage
+timelines ([t0, t1, kind, n_tokens, context_len], kind in prefill/draft/verify/own/wait; the
+context is the one after the action's commit) and verify traces ([n_proposed, n_accepted]).
+Note: a "wait" event is closed after the action that ends it, so its t1 overlaps that action;
+only its start is used here, and a wait is taken to end where the next action starts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pipespec_mpi.analytical import alpha_from_trace
+from pipespec_mpi.config import METHODS, DecodeConfig
+from pipespec_mpi.records import read_records
+from pipespec_mpi.simulate.engine import SimResult, simulate
+from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
+
+_ACTIONS = ("draft", "verify", "own")
+
+
+def load_records(run_dir: str | Path) -> list[dict]:
+    """The run's non-warm-up records, in file order."""
+    path = Path(run_dir) / "results.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no results.jsonl (is {run_dir} a run directory?)")
+    return [r for r in read_records(path) if not r.get("warmup")]
+
+
+def _events(stage_rec: dict) -> list[list]:
+    return sorted(stage_rec.get("timeline") or [], key=lambda e: (e[0], e[1]))
+
+
+def _offsets(rec: dict) -> list[float] | None:
+    """Per stage: its timeline's start on the last stage's clock, from the records' absolute
+    ``t0_perf_counter`` (one clock for the processes of a node); None when a stage lacks it."""
+    t0 = [sr.get("t0_perf_counter") for sr in rec["stages"]]
+    if any(not isinstance(t, (int, float)) or t <= 0 for t in t0):
+        return None
+    return [float(t) - float(t0[-1]) for t in t0]
+
+
+def _stage_events(rec: dict, stage: int) -> list[list]:
+    """A stage's timeline on the common clock (as recorded when the run has no common clock)."""
+    ev = _events(rec["stages"][stage])
+    off = _offsets(rec)
+    if not off or off[stage] == 0.0:
+        return ev
+    d = off[stage]
+    return [[e[0] + d, e[1] + d, *e[2:]] for e in ev]
+
+
+def _lsq_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+
+
+def fit_profile(stage_recs: Sequence[dict], name: str, kind: str = "model") -> LatencyProfile:
+    """A stage's latency profile from its timeline events across records.
+
+    forward time: mean per number of tokens n, plus a context slope fitted within each n
+    (pooled); overhead: mean gap between the end of an action and the stage's next decision
+    (the next action or the start of a wait); prefill: linear in the prompt length.
+    """
+    by_n: dict[int, list[tuple[float, float]]] = {}
+    gaps: list[float] = []  # action -> action: the loop's cost between back-to-back actions
+    idle_gaps: list[float] = []  # action -> start of a wait (used only when no gap is seen)
+    pre: list[tuple[float, float]] = []
+    for sr in stage_recs:
+        ev = _events(sr)
+        for e in ev:
+            if e[2] in _ACTIONS:
+                by_n.setdefault(int(e[3]), []).append((float(e[4]), e[1] - e[0]))
+            elif e[2] == "prefill":
+                pre.append((float(e[3]), e[1] - e[0]))
+        for a, b in zip(ev, ev[1:]):
+            if a[2] in _ACTIONS and b[2] in _ACTIONS:
+                gaps.append(max(0.0, b[0] - a[1]))
+            elif a[2] in _ACTIONS and b[2] == "wait":
+                idle_gaps.append(max(0.0, b[0] - a[1]))
+    if not by_n:
+        raise ValueError(f"stage {name}: no forward events to fit a latency profile from")
+    # context slope, pooled within groups of equal n
+    dx, dy = [], []
+    for obs in by_n.values():
+        mc = sum(c for c, _ in obs) / len(obs)
+        md = sum(d for _, d in obs) / len(obs)
+        dx += [c - mc for c, _ in obs]
+        dy += [d - md for _, d in obs]
+    slope = max(0.0, _lsq_slope(dx, dy)) if len(dx) > 2 else 0.0
+    all_ctx = [c for obs in by_n.values() for c, _ in obs]
+    ctx_ref = sum(all_ctx) / len(all_ctx)
+    points = []
+    for n, obs in sorted(by_n.items()):
+        mc = sum(c for c, _ in obs) / len(obs)
+        md = sum(d for _, d in obs) / len(obs)
+        points.append((float(n), max(1e-7, md - slope * (mc - ctx_ref))))
+    if pre:
+        ps = _lsq_slope([n for n, _ in pre], [d for _, d in pre])
+        ps = max(0.0, ps)
+        base = sum(d for _, d in pre) / len(pre) - ps * sum(n for n, _ in pre) / len(pre)
+        if base < 0:
+            base, ps = 0.0, sum(d for _, d in pre) / max(1.0, sum(n for n, _ in pre))
+    else:
+        base, ps = 0.0, 0.0
+    return LatencyProfile(
+        name=name,
+        points=tuple(points),
+        per_ctx_s=slope,
+        ctx_ref=ctx_ref,
+        overhead_s=statistics.fmean(gaps or idle_gaps or [0.0]),
+        prefill_base_s=base,
+        prefill_per_token_s=ps,
+        kind=kind,
+    )
+
+
+def _forwards(rec: dict, stage: int) -> list[tuple[float, float]]:
+    return [(e[0], e[1]) for e in _stage_events(rec, stage) if e[2] in _ACTIONS or e[2] == "prefill"]
+
+
+def overhead_samples(rec: dict, stage: int, blocking_reads: bool = False) -> tuple[list[float], list[float]]:
+    """The loop's own cost after an action of a stage (publish, send, the next header read and
+    decision), as (gaps to a next action, gaps to the start of a wait). With ``blocking_reads``
+    (runs made with the old MPI RMA window, whose header read of a computing stage waited for its
+    forward; the simulator models that wait separately) each gap is less the time a neighbour it
+    reads spent in a forward meanwhile: every iteration reads the downstream; a stage that finds
+    nothing to do also reads its upstream's idle flag before it starts waiting."""
+    st = rec["stages"]
+    down: list[tuple[float, float]] = []
+    both: list[tuple[float, float]] = []
+    if blocking_reads:
+        down = _union(_forwards(rec, stage + 1)) if stage + 1 < len(st) else []
+        both = _union(down + (_forwards(rec, stage - 1) if stage > 0 else []))
+    ev = [e for e in _stage_events(rec, stage) if e[2] in _ACTIONS or e[2] == "wait"]
+    to_act: list[float] = []
+    to_wait: list[float] = []
+    for a, b in zip(ev, ev[1:]):
+        if a[2] in _ACTIONS:
+            t0, t1 = a[1], b[0]
+            acting = b[2] in _ACTIONS
+            busy = down if acting else both
+            overlap = sum(max(0.0, min(t1, e1) - max(t0, e0)) for e0, e1 in busy)
+            (to_act if acting else to_wait).append(max(0.0, t1 - t0 - overlap))
+    return to_act, to_wait
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _committed_series(rec: dict, stage: int) -> list[tuple[float, int]]:
+    """(action end, committed length after it) for a stage, in time order."""
+    p = len(rec.get("prompt_ids") or [])
+    return [(e[1], int(e[4]) - p) for e in _stage_events(rec, stage) if e[2] in _ACTIONS]
+
+
+def _verify_bases(rec: dict, stage: int) -> list[tuple[list, int, int]]:
+    """(event, base position, n_accepted) for each verification of a stage, in order."""
+    p = len(rec.get("prompt_ids") or [])
+    cap = int(rec.get("n_new_tokens") or rec.get("max_new_tokens") or 10**9)
+    sr = rec["stages"][stage]
+    ver = [e for e in (sr.get("timeline") or []) if e[2] == "verify"]  # recording order
+    out = []
+    for e, (_n, a) in zip(ver, sr.get("verify_trace") or []):
+        after = int(e[4]) - p
+        committed = int(a) + 1
+        if after >= cap:  # the commit may have been cut at the cap
+            committed = min(committed, after)
+        out.append((e, max(0, after - committed), int(a)))
+    return out
+
+
+def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
+    """Pair (stage-1 -> stage): output position -> whether the drafter's token agreed with the
+    verifier's, from the verifier's verifications (later verifications win)."""
+    agree: dict[int, bool] = {}
+    for e, b, a in _verify_bases(rec, stage):
+        n = int(e[3])
+        for q in range(a):
+            agree[b + q] = True
+        if a < n:
+            agree[b + a] = False
+    return agree
+
+
+def lookup_trace(rec: dict) -> dict[int, int]:
+    """A lookup stage 0's hits and misses by position: base position -> the longest proposal it
+    drafted from there, or 0 where the next stage took a step of its own from there (its
+    upstream was idle: the lookup found no continuation) and the lookup never drafted from it."""
+    st = rec["stages"]
+    if len(st) < 2:
+        return {}
+    p = len(rec.get("prompt_ids") or [])
+    seen: dict[int, int] = {}
+    for e in _events(st[0]):
+        if e[2] == "draft":
+            b = int(e[4]) - p - int(e[3])
+            seen[b] = max(seen.get(b, 0), int(e[3]))
+    for e in _events(st[1]):
+        if e[2] == "own":
+            seen.setdefault(int(e[4]) - p - 1, 0)
+    return seen
+
+
+def _lookup_chain_rate(recs: Sequence[dict]) -> float | None:
+    """How often a lookup stage 0 that had room after a proposal found a continuation of it (its
+    next draft starts where the proposal ended, before it adopted anything); None without a
+    common clock (the room depends on the downstream's length at that moment)."""
+    chained = tried = 0
+    for rec in recs:
+        if _offsets(rec) is None or len(rec["stages"]) < 2 or rec.get("method") != "pipespec":
+            return None  # (SD: the drafter proposes only what the verifier asks for)
+        p = len(rec.get("prompt_ids") or [])
+        cap = int(rec.get("n_new_tokens") or 0)
+        bound = int(rec.get("max_run_ahead") or 16)
+        down = _committed_series(rec, 1)
+        down_t = [t for t, _ in down]
+        dr = [e for e in _stage_events(rec, 0) if e[2] == "draft"]
+        for k, a in enumerate(dr):
+            end = int(a[4]) - p
+            i = bisect.bisect_right(down_t, a[1]) - 1
+            down_len = down[i][1] if i >= 0 else 0
+            if end >= cap or end - down_len >= bound:
+                continue  # no room: the stage waits, it does not look up
+            nxt = dr[k + 1] if k + 1 < len(dr) else None
+            j = bisect.bisect_right(down_t, nxt[0]) - 1 if nxt else -1
+            if nxt is not None and j != i:
+                continue  # the downstream acted in between: the next lookup may follow an adoption
+            tried += 1
+            chained += nxt is not None and int(nxt[4]) - p - int(nxt[3]) == end
+    return chained / tried if tried else None
+
+
+def _crossing(series: list[tuple[float, int]], length: int, before: float) -> float | None:
+    """End time of the upstream action after which its committed length last rose to
+    >= ``length`` (among actions ending before ``before``)."""
+    idx = bisect.bisect_right([t for t, _ in series], before) - 1
+    if idx < 0 or series[idx][1] < length:
+        return None
+    while idx > 0 and series[idx - 1][1] >= length:
+        idx -= 1
+    return series[idx][0]
+
+
+_CLOCK_SLACK_S = 0.01  # the most two ranks' barrier exits are assumed apart (records without a clock)
+
+
+def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[float], list[float]]:
+    """Delays observed across pair (pair -> pair+1) in one record, as (down, up), each measured
+    on two ranks' clocks: the common one when the records carry ``t0_perf_counter``, else each
+    rank's own, stage pair+1's shifted by ``offset_s`` (see ``calibrate``).
+
+    down (proposals): a verifier that waited starts verifying; the delay is measured from the
+    end of the upstream action that completed the proposals it waited for: the upstream's last
+    action before the verification, if it ended during the wait (proposals sent before the wait
+    were of an older epoch, or not enough).
+    up (headers), only where the upstream is the first stage: after each verification or own
+    step of the downstream, the delay to the drafter's first draft that continues the
+    downstream's new tokens (a draft starting at the downstream's committed length).
+    """
+    down: list[float] = []
+    up: list[float] = []
+    look = int(rec.get("lookahead") or 0)
+    method = rec.get("method")
+    p = len(rec.get("prompt_ids") or [])
+    ups = _committed_series(rec, pair)
+    up_ends = [t for t, _ in ups]
+    bases = _verify_bases(rec, pair + 1)
+    starts = {id(e): b for e, b, _ in bases}
+    off = _offsets(rec)
+    dv = off[pair + 1] if off else offset_s
+    ev = _events(rec["stages"][pair + 1])
+    for w, v in zip(ev, ev[1:]):
+        if w[2] != "wait" or v[2] != "verify" or id(v) not in starts:
+            continue
+        # without a common clock the triggering action may seem to end after the verification
+        # started: take the upstream action ending nearest to it (the sample may be negative)
+        i = bisect.bisect_right(up_ends, v[0] + dv + (0.0 if off else _CLOCK_SLACK_S)) - 1
+        if i >= 0 and up_ends[i] >= w[0] + dv:
+            if (
+                i + 1 < len(up_ends)
+                and not off
+                and abs(up_ends[i + 1] - v[0] - dv) < abs(up_ends[i] - v[0] - dv)
+            ):
+                i += 1
+            down.append(v[0] + dv - up_ends[i])
+    if pair != 0:
+        return down, up
+    drafts = [e for e in _stage_events(rec, 0) if e[2] in _ACTIONS]
+    d0 = [d[0] for d in drafts]
+    acts = [[e[0] + dv, e[1] + dv, *e[2:]] for e in ev if e[2] in ("verify", "own")]
+    # SD with a stage after the verifier: the verifier asks for more only while its own
+    # downstream still wants tokens; otherwise the drafter waits for that stage, not for a header
+    demand = _committed_series(rec, 2) if method == "sd" and len(rec["stages"]) > 2 else None
+    for k, v in enumerate(acts):
+        length = int(v[4]) - p
+        if demand is not None:
+            i = bisect.bisect_right([t for t, _ in demand], v[1]) - 1
+            if length >= (demand[i][1] if i >= 0 else 0) + look:
+                continue
+        hi = acts[k + 1][0] if k + 1 < len(acts) else math.inf
+        for d in drafts[bisect.bisect_left(d0, v[0]) :]:
+            if d[0] > hi:
+                break
+            if int(d[4]) - p - int(d[3]) == length:  # the draft continues from the new tokens
+                up.append(d[0] - v[1])
+                break
+    return down, up
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(q * (len(xs) - 1))))]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Simulator inputs fitted from records of one method."""
+
+    method: str
+    profiles: tuple[LatencyProfile, ...]
+    rates: tuple[float, ...]
+    down_latency_s: tuple[float, ...]
+    up_latency_s: tuple[float, ...]
+
+
+def _pooled_rate(recs: Sequence[dict], stage: int) -> float:
+    trace = [t for r in recs for t in (r["stages"][stage].get("verify_trace") or [])]
+    return alpha_from_trace(trace)
+
+
+def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration:
+    """Fit profiles, per-pair acceptance and latencies from records of one method
+    (``blocking_reads``: the records come from a pipeline whose header reads blocked)."""
+    if not recs:
+        raise ValueError("no records to calibrate from")
+    method = recs[0]["method"]
+    k = len(recs[0]["stages"])
+    names = list(recs[0].get("models") or [f"stage{i}" for i in range(k)])
+    profiles = []
+    for i in range(k):
+        srs = [r["stages"][i] for r in recs]
+        if method == "ar" and i < k - 1:
+            profiles.append(LatencyProfile(name=names[i]))  # idle in AR
+            continue
+        kind = "model"
+        if i == 0 and all((s.get("forward_calls", 1) == 0 and s.get("draft_steps", 0) > 0) for s in srs):
+            kind = "lookup"
+        try:
+            prof = fit_profile(srs, names[i], kind)
+        except ValueError:  # the stage never ran a forward (e.g. a lookup that never hit)
+            profiles.append(
+                LatencyProfile(name=names[i], points=((1.0, 1e-6),), kind=kind, lookup_hit_rate=0.0)
+            )
+            continue
+        if kind == "lookup":
+            # misses leave no event; each makes the verifier take a step of its own (its upstream
+            # is idle), so hits / (hits + those steps) estimates how often a context recurs
+            hits = sum(s.get("draft_steps", 0) for s in srs)
+            own = sum(r["stages"][1].get("own_steps", 0) for r in recs)
+            longest = max(int(n) for n, _ in prof.points)
+            prof = replace(prof, lookup_hit_rate=hits / (hits + own) if hits + own else 1.0,
+                           max_proposal=longest, lookup_chain_rate=_lookup_chain_rate(recs))  # fmt: skip
+        samples = [overhead_samples(r, i, blocking_reads) for r in recs]
+        to_act = [x for a, _ in samples for x in a]
+        to_wait = [x for _, w in samples for x in w]
+        # a stage that often acts back to back (a drafter) pays the loop's cost between actions;
+        # one that waits after each action (a verifier) publishes its new demand only after it
+        ov = to_act if len(to_act) >= 10 or not to_wait else to_wait
+        if ov:
+            prof = replace(prof, overhead_s=statistics.fmean(ov))
+        profiles.append(prof)
+    rates, downs, ups = [], [], []
+    for j in range(k - 1):
+        rates.append(_pooled_rate(recs, j + 1) if method != "ar" else 0.0)
+        d_s: list[float] = []
+        u_s: list[float] = []
+        for r in recs if method != "ar" else []:
+            d, u = latency_samples(r, j)
+            if d and _offsets(r) is None:
+                # no common clock (older records): each rank's timeline starts at its own exit
+                # from the start barrier. Take the fastest deliveries as equal in both directions
+                # (NTP-like), or as immediate where only proposals are seen, and measure again
+                # with that offset (which proposals count as awaited depends on it)
+                skew = (_quantile(u, 0.05) - _quantile(d, 0.05)) / 2 if u else -_quantile(d, 0.05)
+                d, u = latency_samples(r, j, skew)
+            d_s += d
+            u_s += u
+        down = max(0.0, statistics.median(d_s)) if d_s else None
+        up = max(0.0, statistics.median(u_s)) if u_s else None
+        downs.append(down if down is not None else (up if up is not None else 0.0))
+        ups.append(up if up is not None else downs[-1])
+    return Calibration(method, tuple(profiles), tuple(rates), tuple(downs), tuple(ups))
+
+
+def simulate_record(
+    rec: dict,
+    cal: Calibration,
+    use_traces: bool = True,
+    max_run_ahead: int = 16,
+    max_verify: int = 16,
+    seed: int = 0,
+    blocking_reads: bool = False,
+) -> SimResult:
+    """Re-run one recorded prompt in the simulator with the calibration's inputs."""
+    k = len(cal.profiles)
+    traces = tuple(agreement_trace(rec, j + 1) for j in range(k - 1)) if use_traces else ()
+    lookup = lookup_trace(rec) if use_traces and k > 1 and cal.profiles[0].kind == "lookup" else None
+    look = int(rec.get("lookahead") or 0) if rec["method"] != "ar" else 0
+    if rec["method"] == "sd":
+        look = max(1, look)  # the record's lookahead is SD's window
+    decode = DecodeConfig(
+        lookahead=look,
+        max_new_tokens=max(1, int(rec["n_new_tokens"])),
+        max_run_ahead=int(rec.get("max_run_ahead") or max_run_ahead),
+        max_verify=int(rec.get("max_verify") or max_verify),
+    )
+    cfg = SimConfig(
+        method=rec["method"],
+        decode=decode,
+        prompt_len=len(rec.get("prompt_ids") or []),
+        latency_s=cal.down_latency_s,
+        up_latency_s=cal.up_latency_s,
+        blocking_reads=blocking_reads,
+        seed=seed,
+    )
+    return simulate(cal.profiles, Acceptance(cal.rates, traces, lookup), cfg)
+
+
+def run_decode_config(run_dir: str | Path) -> dict:
+    """The run's ``decode`` settings from its .hydra/config.yaml, if Hydra wrote one."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.exists():
+        return {}
+    try:
+        import yaml
+
+        node = yaml.safe_load(path.read_text()) or {}
+    except Exception:  # noqa: BLE001 - a run without a readable config keeps the defaults
+        return {}
+    dec = node.get("decode") or {}
+    return {k: dec[k] for k in ("max_run_ahead", "max_verify") if isinstance(dec.get(k), int)}
+
+
+def predict_run(
+    run_dir: str | Path,
+    scope: str = "method",
+    use_traces: bool = True,
+    max_run_ahead: int = 16,
+    max_verify: int = 16,
+    blocking_reads: bool = False,
+) -> dict[str, dict]:
+    """Measured vs predicted ms/token per method found in a run directory.
+
+    scope="method" fits one calibration per method from all its records; scope="record" fits one
+    per record (follows load that changes during the run on a shared machine).
+    blocking_reads: the run was made with the old MPI RMA epochs window, whose header reads waited
+    for a computing neighbour (before ``SharedEpochWindow``); current runs read headers at once.
+    """
+    recs = load_records(run_dir)
+    decode = run_decode_config(run_dir)
+    max_run_ahead = int(decode.get("max_run_ahead", max_run_ahead))
+    max_verify = int(decode.get("max_verify", max_verify))
+    by_method: dict[str, list[dict]] = {}
+    for r in recs:
+        by_method.setdefault(r["method"], []).append(r)
+    out: dict[str, dict] = {}
+    for method in [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS)):
+        rs = by_method[method]
+        cal = calibrate(rs, blocking_reads) if scope == "method" else None
+        wall = sim_wall = 0.0
+        tokens = 0
+        for r in rs:
+            c = cal if cal is not None else calibrate([r], blocking_reads)
+            sim = simulate_record(r, c, use_traces, max_run_ahead, max_verify, blocking_reads=blocking_reads)
+            wall += float(r["wall_s"])
+            tokens += int(r["n_new_tokens"])
+            sim_wall += sim.wall_s
+        measured = 1000.0 * wall / tokens if tokens else float("nan")
+        predicted = 1000.0 * sim_wall / tokens if tokens else float("nan")
+        row = {
+            "measured_ms_per_token": measured,
+            "predicted_ms_per_token": predicted,
+            "error": predicted / measured - 1.0 if measured else float("nan"),
+            "n_prompts": len(rs),
+            "n_tokens": tokens,
+        }
+        if cal is not None:
+            row["acceptance"] = list(cal.rates)
+            row["latency_ms"] = [1000 * x for x in cal.down_latency_s]
+            row["up_latency_ms"] = [1000 * x for x in cal.up_latency_s]
+            row["overhead_ms"] = [1000 * p.overhead_s for p in cal.profiles]
+        out[method] = row
+    return out

@@ -1,0 +1,171 @@
+"""The simulator's command line (docs/simulator.md).
+
+python -m pipespec_mpi.simulate --preset paper [--json]
+python -m pipespec_mpi.simulate --from RUN_DIR [--json]
+python -m pipespec_mpi.simulate --calibration RUN_DIR [RUN_DIR ...] [--plot OUT.png]
+python -m pipespec_mpi.simulate --fit-paper-rates
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from pipespec_mpi.simulate.calibration import load_records, predict_run
+from pipespec_mpi.simulate.paper import (
+    PAPER_PIPESPEC_LOOKAHEAD,
+    PAPER_SD_WINDOW,
+    PAPER_TABLE,
+    fit_paper_rates,
+    paper_rows,
+)
+
+
+def format_paper_table(rows: Sequence[dict]) -> str:
+    lines = [
+        f"{'method':<9} {'models':<16} {'ms/token':>9} {'speedup':>8}   "
+        f"{'paper ms/token':>14} {'paper speedup':>13}"
+    ]
+    ar = PAPER_TABLE[("ar", ("70B",))]
+    for r in rows:
+        p = PAPER_TABLE.get((r["method"], tuple(r["models"])))
+        ps = f"{p:>14.2f} {ar / p:>12.2f}x" if p else f"{'-':>14} {'-':>13}"
+        lines.append(
+            f"{r['method']:<9} {' -> '.join(r['models']):<16} {r['ms_per_token']:>9.2f} "
+            f"{r['speedup']:>7.2f}x   {ps}"
+        )
+    return "\n".join(lines)
+
+
+def format_run_table(res: Mapping[str, Mapping], run_dir: str) -> str:
+    lines = [
+        f"run {run_dir}",
+        f"{'method':<9} {'prompts':>7} {'tokens':>7} {'measured':>9} {'predicted':>10} {'error':>7}"
+        f"   acceptance / latency ms (down, up) / overhead ms per stage",
+    ]
+    for m, r in res.items():
+        extra = ""
+        if "acceptance" in r:
+            extra = (
+                f"   {[round(x, 3) for x in r['acceptance']]} / "
+                f"{[round(x, 2) for x in r['latency_ms']]}, {[round(x, 2) for x in r['up_latency_ms']]}"
+                f" / {[round(x, 2) for x in r['overhead_ms']]}"
+            )
+        lines.append(
+            f"{m:<9} {r['n_prompts']:>7} {r['n_tokens']:>7} {r['measured_ms_per_token']:>9.2f} "
+            f"{r['predicted_ms_per_token']:>10.2f} {100 * r['error']:>+6.1f}%{extra}"
+        )
+    return "\n".join(lines)
+
+
+def calibration_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
+    """One row per (run, method): measured and predicted ms/token."""
+    rows = []
+    for d in run_dirs:
+        recs = load_records(d)
+        hier = (recs[0].get("hierarchy") or f"{len(recs[0]['stages'])} stages") if recs else "?"
+        look = sorted({int(r.get("lookahead") or 0) for r in recs if r["method"] != "ar"})
+        tokens = max((int(r.get("max_new_tokens") or 0) for r in recs), default=0)
+        for m, r in predict_run(d, **kw).items():
+            rows.append({"run": Path(d).name, "hierarchy": hier, "lookahead": look, "max_new_tokens": tokens,
+                         "method": m, **r})  # fmt: skip
+    return rows
+
+
+def format_calibration_markdown(rows: Sequence[dict]) -> str:
+    lines = [
+        "| run | hierarchy | lookahead | tokens/prompt | method | prompts | measured ms/token "
+        "| predicted ms/token | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        look = ",".join(map(str, r["lookahead"])) if r["method"] != "ar" else "-"
+        lines.append(
+            f"| {r['run']} | {r['hierarchy']} | {look} | {r['max_new_tokens']} | {r['method']} | "
+            f"{r['n_prompts']} | {r['measured_ms_per_token']:.2f} | {r['predicted_ms_per_token']:.2f} | "
+            f"{100 * r['error']:+.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m pipespec_mpi.simulate",
+        description="Discrete-event simulator of AR, SD and PipeSpec (docs/simulator.md).",
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=["paper"], help="the paper's setting (Llama 3, A100s)")
+    src.add_argument("--from", dest="run_dir", help="a run directory: predict its ms/token")
+    src.add_argument("--fit-paper-rates", action="store_true", help="re-derive PAPER_RATES (slow: ~1 min)")
+    src.add_argument("--calibration", nargs="+", metavar="RUN_DIR", help="several runs: a markdown table")
+    ap.add_argument("--plot", help="with --calibration: write predicted vs measured to this PNG")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    ap.add_argument("--acceptance", choices=["trace", "iid"], default="trace",
+                    help="paper: replay the authors' acceptance traces, or i.i.d. rates")  # fmt: skip
+    ap.add_argument("--seeds", type=int, default=8, help="paper: simulations per row")
+    ap.add_argument("--lookahead", type=int, default=PAPER_PIPESPEC_LOOKAHEAD,
+                    help="paper: PipeSpec lookahead")  # fmt: skip
+    ap.add_argument("--sd-window", type=int, default=PAPER_SD_WINDOW, help="paper: SD window")
+    ap.add_argument("--blocking-reads", action="store_true",
+                    help="header reads wait for a computing stage (the old MPI RMA window): "
+                         "paper: simulate it; runs: records made before SharedEpochWindow")  # fmt: skip
+    ap.add_argument("--max-run-ahead", type=int, default=None,
+                    help="default: 64 for the paper (uncapped reference), 16 for runs")  # fmt: skip
+    ap.add_argument("--max-verify", type=int, default=None, help="default: as --max-run-ahead")
+    ap.add_argument("--scope", choices=["method", "record"], default="method",
+                    help="runs: one calibration per method, or per record")  # fmt: skip
+    ap.add_argument("--iid", action="store_true",
+                    help="runs: i.i.d. acceptance instead of the records' traces")  # fmt: skip
+    a = ap.parse_args(argv)
+    try:
+        if a.fit_paper_rates:
+            rates = fit_paper_rates(a.acceptance, lookahead=a.lookahead)
+            out = {f"{x} -> {y}": v for (x, y), v in rates.items()}
+            print(json.dumps(out, indent=2) if a.json else out)
+            return 0
+        if a.preset:
+            cap = a.max_run_ahead or 64
+            rows = paper_rows(
+                seeds=tuple(range(max(1, a.seeds))),
+                max_run_ahead=cap,
+                max_verify=a.max_verify or cap,
+                sd_window=a.sd_window,
+                pipespec_lookahead=a.lookahead,
+                acceptance=a.acceptance,
+                blocking_reads=a.blocking_reads,
+            )
+            print(json.dumps(rows, indent=2) if a.json else format_paper_table(rows))
+            return 0
+        cap = a.max_run_ahead or 16
+        if a.calibration:
+            rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid, max_run_ahead=cap,
+                                    max_verify=a.max_verify or cap,
+                                    blocking_reads=a.blocking_reads)  # fmt: skip
+            print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
+            if a.plot:
+                from pipespec_mpi.plots import simulator_calibration
+
+                simulator_calibration(rows, a.plot)
+            return 0
+        res = predict_run(
+            a.run_dir,
+            scope=a.scope,
+            use_traces=not a.iid,
+            max_run_ahead=cap,
+            max_verify=a.max_verify or cap,
+            blocking_reads=a.blocking_reads,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        print(f"pipespec_mpi.simulate: {err}", file=sys.stderr)
+        return 2
+    if a.json:
+        out = {
+            m: {k: r[k] for k in ("measured_ms_per_token", "predicted_ms_per_token")} for m, r in res.items()
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_run_table(res, a.run_dir))
+    return 0

@@ -1,0 +1,100 @@
+"""What a stage does next: a pure function of what it sees and its decode settings.
+
+  first stage (drafter)   a draft step (model) or a lookup of up to ``room`` tokens, within its
+                          room: ``max_run_ahead`` beyond its downstream's committed length
+                          (PipeSpec), or up to its downstream's demand ``want`` (SD)
+  verifier, pipespec      verify min(pending, limit) proposals once ``lookahead`` are pending;
+                          with lookahead 0 and nothing pending, a one-token step of its own
+  verifier, sd            wait for its drafter's full window (published as ``want``), then verify
+  either verifier         when the upstream can give no more (``upstream_idle``): verify what is
+                          pending, else step on its own
+  ar                      the last stage steps alone
+A verifier commits up to n + 1 tokens for n verified: the last stage keeps that within
+``max_new_tokens``, the others may overshoot their room by the bonus token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pipespec_mpi.config import DecodeConfig
+
+
+class Act(enum.Enum):
+    WAIT = "wait"
+    DRAFT = "draft"  # one token of a model drafter
+    LOOKUP = "lookup"  # up to n tokens of a model-free drafter
+    VERIFY = "verify"  # n pending proposals in one forward
+    OWN = "own"  # a verifier's one-token step of its own
+
+
+@dataclass(frozen=True)
+class View:
+    """A stage's situation at a decision (the downstream's values as last read)."""
+
+    method: str  # ar | sd | pipespec
+    first: bool  # no upstream: a drafter
+    last: bool  # no downstream: its output is the answer
+    lookup: bool  # a model-free drafter
+    committed: int  # tokens this stage has committed
+    capped: bool  # max_new_tokens reached, or the last token is EOS
+    down_committed: int = 0  # the downstream's committed length
+    down_want: int = 0  # SD: the position up to which the downstream wants proposals
+    pending: int = 0  # proposals in the inbox
+    want: int = 0  # SD: this stage's current demand
+    upstream_idle: bool = False  # the upstream can give no more now (capped, or no lookup hit)
+
+
+@dataclass(frozen=True)
+class Decision:
+    act: Act
+    n: int = 0  # VERIFY: proposals to verify; LOOKUP: most tokens to propose
+    want: int = 0  # SD demand to publish (unchanged unless the decision sets it)
+    idle: bool = False  # nothing more to offer downstream now (a lookup miss is known only after it)
+    upstream_matters: bool = False  # WAIT that an idle upstream would turn into work
+
+
+def room(v: View, cfg: DecodeConfig) -> int:
+    """How many more tokens the stage may commit now (run-ahead bound or SD demand)."""
+    left = cfg.max_new_tokens - v.committed
+    if v.last:
+        return left
+    if v.method == "sd":
+        return min(left, max(0, v.down_want - v.committed))
+    return min(left, cfg.max_run_ahead - (v.committed - v.down_committed))
+
+
+def decide(v: View, cfg: DecodeConfig) -> Decision:
+    """The next action. A verifier's wait can depend on ``upstream_idle``: the caller reads the
+    upstream only when the decision says ``upstream_matters``, then decides again."""
+    if v.capped:
+        return Decision(Act.WAIT, want=v.want, idle=True)
+    r = room(v, cfg)
+    if r <= 0:  # held by the bound or the demand: not starved, so not idle
+        return Decision(Act.WAIT, want=v.want)
+    if v.method == "ar":
+        return Decision(Act.OWN)
+    if v.first:
+        return Decision(Act.LOOKUP, n=r) if v.lookup else Decision(Act.DRAFT)
+    budget = r if v.last else cfg.max_new_tokens - v.committed
+    limit = min(cfg.max_verify, budget - 1)  # room for the bonus token
+    want = v.want
+    if v.method == "sd":
+        window = min(cfg.window("sd"), limit)
+        want = v.committed + window
+        if window <= 0:
+            return Decision(Act.OWN, want=want)
+        if v.pending >= window:
+            return Decision(Act.VERIFY, n=window, want=want)
+    else:
+        need = max(1, min(cfg.lookahead, limit))
+        if v.pending >= need and limit >= 1:
+            return Decision(Act.VERIFY, n=min(v.pending, limit))
+        if cfg.lookahead == 0:
+            return Decision(Act.OWN)
+    if v.upstream_idle:  # the upstream cannot give us more: work on what we have
+        if v.pending and limit >= 1:
+            return Decision(Act.VERIFY, n=min(v.pending, limit), want=want)
+        return Decision(Act.OWN, want=want)
+    return Decision(Act.WAIT, want=want, upstream_matters=True)

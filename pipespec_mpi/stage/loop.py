@@ -1,0 +1,416 @@
+"""The stage loop: one per rank, all stages running at once (PipeSpec, and the AR/SD baselines).
+
+``StageLoop.step()`` is one iteration of stage i:
+  1. read the downstream's header from the epochs window; on a new epoch adopt its committed
+     tokens (cut the KV cache back, drop pending proposals, bump our own epoch so the rollback
+     cascades upstream); if it is simply ahead of us, catch up with its tokens
+  2. send what the downstream is owed: tokens it has not got, which after an epoch change that
+     kept our tokens are sent again (greedy and Gumbel) or drawn again (Leviathan: a token
+     travels at most once), whether or not this stage acts now
+  3. take the proposals that arrived from upstream; drop those of an older epoch or prompt, fold
+     the rest into the inbox; a proposal contradicting our committed tokens bumps our epoch
+  4. decide (speculative/policy.py) and act: a draft or lookup, a verification, an own step,
+     or wait; publish the header and send what is new
+The last stage stops at EOS or ``max_new_tokens`` and raises ``done``; each stage relays it up.
+Every part is a port (stage/ports.py), so ranks, the simulator and the schedule explorer all
+drive this one loop; a driver calls ``step()`` until it says DONE, sleeping while it says WAITING.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pipespec_mpi.comm.channel import Proposal
+from pipespec_mpi.comm.window import Header
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.speculative.policy import Act, Decision, View, decide
+from pipespec_mpi.speculative.sequence import Inbox, adopt
+from pipespec_mpi.speculative.verifiers import Verifier
+from pipespec_mpi.stage.ports import Clock, Proposer, Receiver, Scorer, Sender, Window
+from pipespec_mpi.stage.stats import StageOutcome, StageStats
+
+
+class Step(enum.Enum):
+    ACTED = "acted"  # a forward or a lookup
+    PROGRESS = "progress"  # no forward, but something changed (tokens adopted or sent, proposals taken)
+    WAITING = "waiting"  # nothing to do until a neighbour moves
+    DONE = "done"  # this prompt is finished on this stage: call finish()
+
+
+class ProtocolError(RuntimeError):
+    """An invariant of the stage protocol broke (a bug, never a user error)."""
+
+
+@dataclass(frozen=True)
+class StageRole:
+    stage: int
+    n_stages: int
+    rank: int
+    upstream: int | None
+    downstream: int | None
+
+    @property
+    def is_last(self) -> bool:
+        return self.downstream is None
+
+
+class Mailbox:
+    """Proposals from upstream, held until their prompt is decoded. An upstream that passed the
+    start of the next prompt first may already be sending for it: those are kept, not dropped."""
+
+    def __init__(self, receiver: Receiver | None) -> None:
+        self.receiver = receiver
+        self.held: deque[Proposal] = deque()
+
+    def pump(self) -> None:
+        if self.receiver is not None:
+            self.held.extend(self.receiver.poll())
+
+    def take(self, seq: int) -> tuple[list[Proposal], int]:
+        """This prompt's proposals, in order, and how many of older prompts were dropped.
+        (A channel keeps its order and an upstream decodes prompts in order.)"""
+        self.pump()
+        mine, dropped = [], 0
+        while self.held and self.held[0].prompt <= seq:
+            msg = self.held.popleft()
+            if msg.prompt == seq:
+                mine.append(msg)
+            else:
+                dropped += 1
+        return mine, dropped
+
+
+class StageLoop:
+    """One stage decoding prompts one after another: ``reset(seq)`` before the start of a prompt,
+    ``begin(...)`` at its start, ``step()`` until DONE, ``finish()``; ``pump()`` while waiting
+    between prompts."""
+
+    def __init__(
+        self,
+        role: StageRole,
+        model: Scorer | Proposer,
+        window: Window,
+        sender: Sender | None,
+        receiver: Receiver | None,
+        clock: Clock,
+        decode: DecodeConfig,
+        eos_token_id: int,
+        vocab: int = 0,
+        record_timeline: bool = True,
+    ) -> None:
+        self.role, self.model, self.win, self.clock = role, model, window, clock
+        self.sender = sender
+        self.mailbox = Mailbox(receiver)
+        self.cfg = decode
+        self.eos = eos_token_id
+        self.vocab = vocab  # width of the distributions that travel with proposals (sampling)
+        self.record_timeline = record_timeline
+        self.is_scorer = hasattr(model, "logits")
+        self.seq = -1
+
+    # ------------------------------------------------------------------ prompt boundaries
+    def reset(self, seq: int) -> None:
+        """Publish a fresh header for prompt ``seq`` (before the start of the prompt)."""
+        self.seq, self.epoch, self.seen_down_epoch = seq, 0, 0
+        self.out: list[int] = []
+        self.cost: list[float] = []  # compute time per committed token (for discarded_s)
+        self.sent = self.dirty_from = 0
+        self.want, self.idle = 0, False
+        self.published = (0, False)
+        self.down: Header | None = None
+        self.inbox = Inbox()
+        self.rows: dict[int, np.ndarray] = {}  # position -> distribution, for tokens not yet sent
+        self.finish_reason: str | None = None
+        self.wait_t0: float | None = None
+        self.stats = StageStats(self.role.stage, self.role.rank, getattr(self.model, "name", "?"))
+        self._publish()
+
+    def pump(self) -> None:
+        """Between prompts: take in what has arrived (kept for its prompt), keep the heartbeat."""
+        self.win.beat()
+        self.mailbox.pump()
+
+    def begin(self, prompt: Sequence[int], method: str, verifier: Verifier) -> None:
+        """Start decoding ``prompt`` (after ``reset``): prefill, then ``step()``."""
+        self.prompt, self.method, self.verifier = list(prompt), method, verifier
+        self.t_start = self.clock.now()
+        self.stats.t0_perf_counter = self.t_start
+        if method == "ar" and not self.role.is_last:  # AR: the last model alone; the others idle
+            self.finish_reason = "idle"
+            return
+        # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
+        self.model.prefill(self.prompt, room=self.cfg.max_new_tokens + self.cfg.max_verify + 1)
+        t1 = self.clock.now()
+        self.stats.prefill_s = t1 - self.t_start
+        self._event(self.t_start, t1, "prefill", len(self.prompt))
+
+    def finish(self) -> StageOutcome:
+        """After DONE: publish ``done`` (relayed upstream) and hand over the outcome."""
+        t = self.clock.now()
+        self._close_wait(t)
+        self._publish(done=True)
+        return StageOutcome(list(self.out), self.finish_reason or "done", t - self.t_start, self.stats)
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> Step:
+        if self.finish_reason is not None:
+            return Step.DONE
+        self.win.beat()
+        changed = False
+        if self.role.downstream is not None:
+            done, changed = self._sync_downstream()
+            if done:
+                self.finish_reason = "done"
+                return Step.DONE
+        if self.sender is not None:
+            changed |= self._send_owed()
+        if self.method != "ar":
+            changed |= self._take_proposals()
+        if self.role.is_last and self._capped:
+            self.finish_reason = "eos" if self.out[-1] == self.eos else "length"
+            return Step.DONE
+        d = self._decide()
+        self.want, self.idle = d.want, d.idle
+        t = self.clock.now()
+        acted = d.act is not Act.WAIT and self._act(d)
+        if not acted:
+            changed |= self._publish_flags()
+            if self.wait_t0 is None:
+                self.wait_t0 = t
+            return Step.PROGRESS if changed else Step.WAITING
+        self._close_wait(t)
+        self._publish()
+        if self.sender is not None:
+            self._send_owed()
+        return Step.ACTED
+
+    def _decide(self) -> Decision:
+        down = self.down
+        v = View(
+            method=self.method, first=self.role.upstream is None, last=self.role.is_last,
+            lookup=not self.is_scorer, committed=len(self.out), capped=self._capped,
+            down_committed=down.length if down else 0, down_want=down.want if down else 0,
+            pending=len(self.inbox.tokens), want=self.want,
+        )  # fmt: skip
+        d = decide(v, self.cfg)
+        if d.upstream_matters and self.role.upstream is not None and self._upstream_idle():
+            d = decide(replace(v, upstream_idle=True), self.cfg)
+        return d
+
+    def _act(self, d: Decision) -> bool:
+        if d.act is Act.LOOKUP:
+            hit = self._lookup(d.n)
+            self.idle = not hit
+            return hit
+        if d.act is Act.VERIFY:
+            self._verify(d.n)
+        else:
+            self._step("draft" if d.act is Act.DRAFT else "own")
+        return True
+
+    # ------------------------------------------------------------------ actions
+    def _step(self, kind: str) -> None:
+        """One token of our own (draft step of the first stage, or a verifier's own step)."""
+        t0 = self.clock.now()
+        n0 = len(self.out)
+        drawn = self.verifier.draw(self.model.logits(self._full(), []), n0)
+        t1 = self.clock.now()
+        self.stats.forward_calls += 1
+        self._commit([drawn.token], t1 - t0, [drawn.dist])
+        self.model.truncate(len(self.prompt) + len(self.out) - 1)
+        if kind == "draft":
+            self.stats.draft_steps += 1
+        else:
+            self.stats.own_steps += 1
+            if not self.inbox.advance(self.out, n0):
+                self._bump_epoch()
+        self._spent(t0, t1, kind, 1)
+
+    def _lookup(self, limit: int) -> bool:
+        t0 = self.clock.now()
+        toks = self.model.propose(self._full(), limit)
+        t1 = self.clock.now()
+        self.stats.busy_s += t1 - t0
+        if not toks:
+            return False
+        self.stats.draft_steps += 1
+        self._commit(toks, t1 - t0, self.verifier.point_masses(toks, self.vocab))
+        self._event(t0, t1, "draft", len(toks))
+        return True
+
+    def _verify(self, n: int) -> None:
+        proposal = self.inbox.tokens[:n]
+        dists = self.inbox.rows[:n] if self.verifier.carries_dists else None
+        t0 = self.clock.now()
+        n0 = len(self.out)
+        logits = self.model.logits(self._full(), proposal)  # [n+1, V]
+        checked = self.verifier.verify(proposal, dists, logits, n0)
+        t1 = self.clock.now()
+        verdict = checked.verdict
+        self.stats.forward_calls += 1
+        self.stats.verifications += 1
+        self.stats.tokens_verified += n
+        self.stats.tokens_accepted += verdict.n_accepted
+        self.stats.verify_trace.append([n, verdict.n_accepted])
+        self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
+        self.model.truncate(len(self.prompt) + len(self.out) - 1)
+        if verdict.rejected or not self.inbox.advance(self.out, n0):
+            self._bump_epoch()
+        self._spent(t0, t1, "verify", n)
+
+    def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> None:
+        if self.eos in tokens:
+            tokens = tokens[: tokens.index(self.eos) + 1]
+        tokens = tokens[: self.cfg.max_new_tokens - len(self.out)]
+        if self.sender is not None and self.verifier.carries_dists:
+            if dists is None or any(d is None for d in dists[: len(tokens)]):
+                raise ProtocolError(f"stage {self.role.stage}: a token to send has no distribution")
+            for k in range(len(tokens)):
+                self.rows[len(self.out) + k] = dists[k]
+        self.out.extend(tokens)
+        self.cost.extend([cost_s / max(1, len(tokens))] * len(tokens))
+        self.stats.tokens_generated += len(tokens)
+        if self.role.is_last:
+            self.stats.commit_times.append([round(self.clock.now() - self.t_start, 6), len(self.out)])
+
+    # ------------------------------------------------------------------ neighbours
+    def _sync_downstream(self) -> tuple[bool, bool]:
+        """Apply the downstream's rollback epoch or catch up with it: (done, changed)."""
+        down = self.role.downstream
+        h = self._read(self.win.header, down)
+        if h.prompt != self.seq:
+            return h.prompt > self.seq, False  # finished this prompt and moved on / not started
+        self.down = h
+        if h.done:
+            return True, False
+        if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
+            return False, False
+        h, theirs = self._read(self.win.snapshot, down)
+        if h.prompt != self.seq:  # it finished and started the next prompt between the two reads
+            return h.prompt > self.seq, False
+        self.down = h
+        if h.done:
+            return True, False
+        epoch_changed = h.epoch != self.seen_down_epoch
+        old = len(self.out)
+        a = adopt(self.out, theirs)
+        tokens, keep = a.tokens, a.keep
+        if epoch_changed and not self.verifier.resendable and self.sent > len(theirs):
+            # Leviathan: a token travels at most once. What we sent beyond the downstream's tokens
+            # may have been verified there; offered again it would get a second chance (a bias).
+            tokens, keep = tokens[: len(theirs)], min(keep, len(theirs))
+        discarded = old - keep
+        if discarded:
+            self.stats.rollbacks += 1
+            self.stats.tokens_discarded += discarded
+            self.stats.discarded_s += sum(self.cost[keep:])
+        self.stats.tokens_adopted += len(tokens) - keep
+        self.cost = self.cost[:keep] + [0.0] * (len(tokens) - keep)
+        self.out = tokens
+        self.dirty_from = min(self.dirty_from, keep)
+        if self.is_scorer:
+            self.model.truncate(len(self.prompt) + min(keep, len(self.out) - 1))
+        if epoch_changed:
+            self.seen_down_epoch = h.epoch
+            self.sent = min(len(self.out), len(theirs))
+        else:
+            self.sent = len(theirs) if discarded else max(self.sent, len(theirs))
+        # distributions are kept exactly for the tokens still to send
+        self.rows = {p: r for p, r in self.rows.items() if self.sent <= p < len(self.out)}
+        if self.role.upstream is not None and (discarded or not self.inbox.advance(self.out, old)):
+            self._bump_epoch()
+        self._publish()
+        return False, True
+
+    def _send_owed(self) -> bool:
+        """Send the tokens the downstream has not got; False when there are none (or no buffer)."""
+        if self.sent >= len(self.out):
+            return False
+        toks = self.out[self.sent :]
+        dists = None
+        if self.verifier.carries_dists:
+            try:
+                dists = np.stack([self.rows[p] for p in range(self.sent, len(self.out))])
+            except KeyError as err:
+                raise ProtocolError(
+                    f"stage {self.role.stage}: no distribution for position {err.args[0]} to send"
+                ) from None
+        before = self.sender.bytes_sent
+        n = self.sender.try_send(self.seq, self.seen_down_epoch, self.sent, toks, dists)
+        self.stats.bytes_sent += self.sender.bytes_sent - before
+        self.stats.tokens_proposed += n
+        for p in range(self.sent, self.sent + n):
+            self.rows.pop(p, None)
+        self.sent += n
+        return n > 0
+
+    def _take_proposals(self) -> bool:
+        msgs, dropped = self.mailbox.take(self.seq)
+        self.stats.dropped_messages += dropped
+        for msg in msgs:
+            if msg.epoch != self.epoch:
+                self.stats.dropped_messages += 1
+                continue
+            rows = None if msg.dists is None else list(msg.dists)
+            if not self.inbox.merge(self.out, msg.start, msg.tokens, rows):
+                self._bump_epoch()
+                self._publish()
+        return bool(msgs)
+
+    def _upstream_idle(self) -> bool:
+        h = self._read(self.win.header, self.role.upstream)
+        return h.prompt == self.seq and h.idle
+
+    def _read(self, read, rank: int):
+        t0 = self.clock.now()
+        out = read(rank)
+        self.stats.read_s += self.clock.now() - t0
+        return out
+
+    # ------------------------------------------------------------------ own state
+    def _bump_epoch(self) -> None:
+        """Tell the upstream stage to roll back to our committed tokens."""
+        self.inbox.clear()
+        self.epoch += 1
+        self.stats.rollbacks_signalled += 1
+
+    @property
+    def _capped(self) -> bool:
+        return len(self.out) >= self.cfg.max_new_tokens or (bool(self.out) and self.out[-1] == self.eos)
+
+    def _full(self) -> list[int]:
+        return self.prompt + self.out
+
+    def _publish(self, done: bool = False) -> None:
+        self.win.publish(
+            prompt=self.seq, epoch=self.epoch, tokens=self.out, dirty_from=self.dirty_from,
+            done=done, want=self.want, idle=self.idle,
+        )  # fmt: skip
+        self.dirty_from = len(self.out)
+        self.published = (self.want, self.idle)
+
+    def _publish_flags(self) -> bool:
+        if self.published == (self.want, self.idle):
+            return False
+        self._publish()
+        return True
+
+    def _spent(self, t0: float, t1: float, kind: str, n: int) -> None:
+        self.stats.busy_s += t1 - t0
+        self._event(t0, t1, kind, n)
+
+    def _event(self, t0: float, t1: float, kind: str, n: int) -> None:
+        if self.record_timeline:
+            self.stats.timeline.append([round(t0 - self.t_start, 6), round(t1 - self.t_start, 6),
+                                        kind, n, len(self.prompt) + len(self.out)])  # fmt: skip
+
+    def _close_wait(self, t: float) -> None:
+        if self.wait_t0 is not None:
+            self.stats.wait_s += t - self.wait_t0
+            self._event(self.wait_t0, t, "wait", 0)
+            self.wait_t0 = None

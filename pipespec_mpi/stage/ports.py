@@ -1,0 +1,89 @@
+"""The parts a stage loop is built from, as typed protocols.
+
+The same ``StageLoop`` runs on an MPI rank (``comm/``: the epochs windows and proposal channels,
+``time.perf_counter``, a transformers model), in the discrete-event simulator and under the
+schedule explorer (``simulate/``: simulated clock, windows with read delays, channels with
+latency, oracle models). Nothing in the loop knows which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from pipespec_mpi.comm.channel import Proposal
+from pipespec_mpi.comm.window import Header
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a clock shared by the stages of one replica (timeline times, costs)."""
+
+
+class Window(Protocol):
+    """The epochs window: every stage publishes its header and committed tokens; neighbours read."""
+
+    def publish(
+        self, *, prompt: int, epoch: int, tokens: Sequence[int], dirty_from: int,
+        done: bool = False, want: int = 0, idle: bool = False,
+    ) -> None: ...  # fmt: skip
+
+    def header(self, rank: int) -> Header: ...
+
+    def snapshot(self, rank: int) -> tuple[Header, list[int]]:
+        """Header and committed tokens of ``rank``, consistent with each other."""
+
+    def beat(self) -> None:
+        """Refresh this rank's heartbeat."""
+
+
+class Sender(Protocol):
+    bytes_sent: int
+
+    def try_send(
+        self, prompt: int, epoch: int, start: int, tokens: list[int], dists: np.ndarray | None = None
+    ) -> int:
+        """Post tokens for positions start.. without blocking; returns how many were posted (a
+        prefix: the rest waits for a free send buffer)."""
+
+
+class Receiver(Protocol):
+    def poll(self) -> list[Proposal]:
+        """Every proposal that has arrived, in sending order; never blocks."""
+
+
+class Scorer(Protocol):
+    """A causal LM with a KV cache that can be cut back to any length. It returns the logits for
+    the positions after a committed sequence plus an optional proposal, in one forward."""
+
+    name: str
+
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+        """Start a new sequence: reset the cache and encode all but the last prompt token.
+
+        ``room``: how many positions the sequence may grow beyond the prompt (sizes the cache).
+        """
+
+    def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
+        """Logits [len(proposal)+1, V] for the positions after ``seq`` and each proposal prefix.
+
+        ``seq`` is the full sequence (prompt + committed tokens); tokens not yet in the cache are
+        encoded in the same forward. Afterwards the cache holds seq + proposal.
+        """
+
+    def truncate(self, length: int) -> None:
+        """Cut the cache back to its first ``length`` positions (no-op if it is shorter)."""
+
+
+class Proposer(Protocol):
+    """A model-free drafter (prompt lookup) that proposes tokens from the text so far."""
+
+    name: str
+
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None: ...
+
+    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` draft tokens continuing ``seq`` (may be empty)."""

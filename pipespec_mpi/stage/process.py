@@ -1,0 +1,132 @@
+"""A stage's life over a list of jobs, as one steppable object, and the driver that runs it on a rank.
+
+For every job: reset the stage's header for the prompt, pass the replica's start gate, decode
+(``StageLoop.step()`` until DONE), hand the outcome over (stats to the replica's leader), next job.
+While it waits at the gate or for the handoff it keeps taking in proposals (an upstream that passed
+the gate first may already send for the new prompt) and keeps its heartbeat fresh.
+
+The gate and the handoff are ports: MPI (runner.py: a non-blocking barrier, stats sent to the
+leader) or the schedule explorer's (simulate/explore.py: released and delivered when its schedule
+says). ``drive`` runs any steppable on a real clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from pipespec_mpi.comm.wait import Backoff, StallError
+from pipespec_mpi.speculative.verifiers import Verifier
+from pipespec_mpi.stage.loop import StageLoop, Step
+from pipespec_mpi.stage.stats import StageOutcome
+
+
+class Job(Protocol):
+    seq: int  # increasing over a replica's jobs: what headers and messages are tagged with
+    prompt_ids: list[int]
+    method: str
+
+
+class Gate(Protocol):
+    def open(self, seq: int) -> None:
+        """This stage has reset its header for prompt ``seq`` and is ready to start it."""
+
+    def passed(self) -> bool:
+        """Every stage of the replica is ready: decoding may start (never blocks)."""
+
+
+class Handoff(Protocol):
+    def post(self, job: Job, outcome: StageOutcome) -> None:
+        """Hand over this stage's outcome of ``job`` (never blocks)."""
+
+    def delivered(self) -> bool:
+        """The outcome has been taken (the leader: every stage's outcome has arrived)."""
+
+
+class Steppable(Protocol):
+    def step(self) -> Step: ...
+
+    def describe(self) -> str: ...
+
+
+class StageProcess:
+    """One rank's stage over its jobs; ``step()`` says DONE once every job is handed over."""
+
+    def __init__(
+        self,
+        loop: StageLoop,
+        gate: Gate,
+        handoff: Handoff,
+        jobs: Sequence[Job],
+        verifier_for: Callable[[Job], Verifier],
+        on_start: Callable[[Job], None] | None = None,
+    ) -> None:
+        self.loop, self.gate, self.handoff = loop, gate, handoff
+        self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
+        self.index = -1
+        self.phase = "next"  # next | gate | decode | handoff | end
+
+    @property
+    def job(self) -> Job | None:
+        return self.jobs[self.index] if 0 <= self.index < len(self.jobs) else None
+
+    def step(self) -> Step:
+        if self.phase == "next":
+            self.index += 1
+            if self.index == len(self.jobs):
+                self.phase = "end"
+                return Step.DONE
+            self.loop.reset(self.job.seq)
+            self.gate.open(self.job.seq)
+            self.phase = "gate"
+            return Step.PROGRESS
+        if self.phase == "gate":
+            self.loop.pump()
+            if not self.gate.passed():
+                return Step.WAITING
+            if self.on_start is not None:
+                self.on_start(self.job)
+            self.loop.begin(self.job.prompt_ids, self.job.method, self.verifier_for(self.job))
+            self.phase = "decode"
+            return Step.PROGRESS
+        if self.phase == "decode":
+            s = self.loop.step()
+            if s is not Step.DONE:
+                return s
+            self.handoff.post(self.job, self.loop.finish())
+            self.phase = "handoff"
+            return Step.PROGRESS
+        if self.phase == "handoff":
+            self.loop.pump()
+            if not self.handoff.delivered():
+                return Step.WAITING
+            self.phase = "next"
+            return Step.PROGRESS
+        return Step.DONE
+
+    def describe(self) -> str:
+        r = self.loop.role
+        where = {
+            "gate": "at the start gate of",
+            "decode": "decoding",
+            "handoff": "handing over the outcome of",
+        }.get(self.phase, self.phase)
+        seq = f" job {self.job.seq}" if self.job is not None else ""
+        return f"stage {r.stage} (rank {r.rank}) {where}{seq}"
+
+
+def drive(stepper: Steppable, stall_timeout_s: float) -> None:
+    """Step until DONE on a real clock: again at once after progress, with backoff sleeps
+    (20 us doubling to 1 ms, never spinning) while waiting; ``StallError`` once nothing has
+    moved for ``stall_timeout_s``."""
+    backoff = Backoff()
+    last = time.monotonic()
+    while (s := stepper.step()) is not Step.DONE:
+        if s is not Step.WAITING:
+            backoff.reset()
+            last = time.monotonic()
+            continue
+        if time.monotonic() - last > stall_timeout_s:
+            raise StallError(f"{stepper.describe()}: no progress for {stall_timeout_s:.0f} s")
+        backoff.sleep()

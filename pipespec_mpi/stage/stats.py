@@ -1,0 +1,53 @@
+"""What a stage records about one prompt (one per stage in every line of results.jsonl)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageStats:
+    stage: int
+    rank: int
+    model: str
+    forward_calls: int = 0
+    draft_steps: int = 0
+    own_steps: int = 0
+    verifications: int = 0
+    tokens_proposed: int = 0  # tokens this stage sent downstream (a resend counts again)
+    tokens_verified: int = 0  # proposal tokens this stage checked
+    tokens_accepted: int = 0  # proposal tokens this stage accepted
+    tokens_generated: int = 0  # tokens committed by this stage's own actions
+    tokens_adopted: int = 0  # tokens taken over from the downstream's committed tokens
+    rollbacks: int = 0  # times this stage was rolled back by its downstream
+    rollbacks_signalled: int = 0  # epoch bumps (rollbacks this stage asked upstream for)
+    tokens_discarded: int = 0  # own tokens thrown away by rollbacks
+    discarded_s: float = 0.0  # compute time spent on those tokens
+    dropped_messages: int = 0  # proposals of an old epoch or prompt
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+    read_s: float = 0.0  # in epochs-window reads (a passive-target RMA read waits for a busy owner)
+    prefill_s: float = 0.0
+    t0_perf_counter: float = 0.0  # this rank's clock at the prompt start (one clock for the
+    # processes of a node; timeline times are relative to it)
+    verify_trace: list[list[int]] = field(default_factory=list)  # [n_proposed, n_accepted]
+    timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
+    commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
+    peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
+    bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
+    gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def token_balance(self, final: int) -> int:
+        """generated + adopted - discarded - final: zero when no token is lost or counted twice."""
+        return self.tokens_generated + self.tokens_adopted - self.tokens_discarded - final
+
+
+@dataclass
+class StageOutcome:
+    tokens: list[int]
+    finish_reason: str  # eos | length (the last stage), done (relayed), idle (not in this method)
+    wall_s: float  # from the start of the prompt (prefill included) to its end on this stage
+    stats: StageStats

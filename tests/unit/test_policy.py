@@ -1,0 +1,79 @@
+"""The decision of what a stage does next: a pure function, small named cases."""
+
+from __future__ import annotations
+
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.speculative.policy import Act, View, decide, room
+
+CFG = DecodeConfig(lookahead=0, max_new_tokens=20, max_run_ahead=4, max_verify=6)
+
+
+def view(**kw) -> View:
+    base = dict(method="pipespec", first=False, last=True, lookup=False, committed=5, capped=False)
+    base.update(kw)
+    return View(**base)
+
+
+def test_a_drafter_drafts_up_to_its_run_ahead_bound():
+    v = view(first=True, last=False, committed=7, down_committed=4)
+    assert decide(v, CFG).act is Act.DRAFT
+    at_bound = decide(view(first=True, last=False, committed=8, down_committed=4), CFG)
+    assert at_bound.act is Act.WAIT and not at_bound.idle  # held by the bound: not starved
+
+
+def test_a_lookup_drafter_may_propose_its_whole_room():
+    d = decide(view(first=True, last=False, lookup=True, committed=5, down_committed=4), CFG)
+    assert d.act is Act.LOOKUP and d.n == 3
+
+
+def test_pipespec_verifies_whatever_is_pending_up_to_max_verify():
+    assert decide(view(pending=3), CFG).n == 3
+    assert decide(view(pending=9), CFG).n == 6
+
+
+def test_pipespec_lookahead_zero_steps_on_its_own_when_nothing_is_pending():
+    assert decide(view(pending=0), CFG).act is Act.OWN
+
+
+def test_a_lookahead_waits_unless_the_upstream_is_idle():
+    cfg = DecodeConfig(lookahead=3, max_new_tokens=20, max_run_ahead=4, max_verify=6)
+    d = decide(view(pending=2), cfg)
+    assert d.act is Act.WAIT and d.upstream_matters
+    assert decide(view(pending=2, upstream_idle=True), cfg).n == 2
+    assert decide(view(pending=0, upstream_idle=True), cfg).act is Act.OWN
+    assert decide(view(pending=3), cfg).n == 3
+
+
+def test_the_last_stage_keeps_room_for_the_bonus_token():
+    # 2 tokens left: verify at most 1 proposal, whose bonus fills the budget
+    assert decide(view(committed=18, pending=5), CFG).n == 1
+    assert decide(view(committed=19, pending=5), CFG).act is Act.OWN
+
+
+def test_sd_demands_a_window_and_verifies_only_a_full_one():
+    cfg = DecodeConfig(lookahead=0, sd_window=3, max_new_tokens=20, max_run_ahead=4, max_verify=6)
+    d = decide(view(method="sd", pending=2), cfg)
+    assert d.act is Act.WAIT and d.want == 8
+    d = decide(view(method="sd", pending=4), cfg)
+    assert d.act is Act.VERIFY and d.n == 3 and d.want == 8
+
+
+def test_an_sd_drafter_drafts_only_what_is_wanted():
+    v = view(method="sd", first=True, last=False, committed=6, down_want=8)
+    assert room(v, CFG) == 2 and decide(v, CFG).act is Act.DRAFT
+    assert decide(view(method="sd", first=True, last=False, committed=8, down_want=8), CFG).act is Act.WAIT
+
+
+def test_a_capped_stage_waits_and_says_it_is_idle_and_keeps_its_demand():
+    d = decide(view(method="sd", capped=True, want=9), CFG)
+    assert d.act is Act.WAIT and d.idle and d.want == 9
+
+
+def test_idle_is_not_sticky():
+    # a drafter that was capped, then rolled back, drafts again and is not idle any more
+    d = decide(view(first=True, last=False, committed=3, down_committed=3), CFG)
+    assert d.act is Act.DRAFT and not d.idle
+
+
+def test_ar_steps_alone():
+    assert decide(view(method="ar", pending=5), CFG).act is Act.OWN
