@@ -189,7 +189,9 @@ def _verify_bases(rec: dict, stage: int) -> list[tuple[list, int, int]]:
 
 def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
     """Pair (stage-1 -> stage): output position -> whether the drafter's token agreed with the
-    verifier's, from the verifier's verifications (later verifications win)."""
+    verifier's, from the verifier's verifications (later verifications win) and, where those say
+    nothing (the verifier's own token: a bonus after all it verified, or an own step), from what
+    the drafter did next (``_reactions``)."""
     agree: dict[int, bool] = {}
     for e, b, a in _verify_bases(rec, stage):
         n = int(e[3])
@@ -197,7 +199,60 @@ def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
             agree[b + q] = True
         if a < n:
             agree[b + a] = False
+    for pos, verdict in _reactions(rec, stage).items():
+        agree.setdefault(pos, verdict)
     return agree
+
+
+def _action_spans(rec: dict, stage: int) -> list[tuple[float, float, int, int]]:
+    """(start, end, base, length after) of a stage's actions on the common clock."""
+    p = len(rec.get("prompt_ids") or [])
+    bases = {id(e): b for e, b, _ in _verify_bases(rec, stage)}
+    out = []
+    for e in _events(rec["stages"][stage]):
+        if e[2] not in _ACTIONS or (e[2] == "verify" and id(e) not in bases):
+            continue
+        after = int(e[4]) - p
+        base = bases[id(e)] if e[2] == "verify" else after - int(e[3])
+        out.append((e[0], e[1], base, after))
+    off = _offsets(rec)
+    d = off[stage] if off else 0.0
+    return [(t0 + d, t1 + d, b, n) for t0, t1, b, n in out]
+
+
+def _reactions(rec: dict, stage: int) -> dict[int, bool]:
+    """The drafter's (stage-1) token at the position of the verifier's own token, judged by what
+    the drafter did next. A drafter that was beyond that position and next works from right after
+    it had adopted the verifier's token there: they disagreed; one that works further on agreed.
+    Needs the records' common clock."""
+    if _offsets(rec) is None:
+        return {}
+    ups = _action_spans(rec, stage - 1)
+    up_ends = [t1 for _, t1, _, _ in ups]
+    up_starts = [t0 for t0, _, _, _ in ups]
+    accepted = {id(e): (b, a) for e, b, a in _verify_bases(rec, stage)}
+    p = len(rec.get("prompt_ids") or [])
+    off = _offsets(rec)[stage]
+    out: dict[int, bool] = {}
+    for e in _events(rec["stages"][stage]):
+        if e[2] == "own":
+            own_pos = int(e[4]) - p - 1
+        elif e[2] == "verify" and id(e) in accepted and accepted[id(e)][1] == int(e[3]):
+            b, a = accepted[id(e)]
+            own_pos = b + a  # the bonus after every proposal was accepted
+        else:
+            continue
+        t1 = e[1] + off
+        i = bisect.bisect_right(up_ends, t1) - 1
+        j = bisect.bisect_left(up_starts, t1)
+        if i < 0 or j >= len(ups) or ups[i][3] <= own_pos + 1:
+            continue  # the drafter had no token there yet, or never worked again
+        base = ups[j][2]
+        if base == own_pos + 1:
+            out[own_pos] = False
+        elif base > own_pos + 1:
+            out[own_pos] = True
+    return out
 
 
 def lookup_trace(rec: dict) -> dict[int, int]:
@@ -316,7 +371,10 @@ def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[f
             if length >= (demand[i][1] if i >= 0 else 0) + look:
                 continue
         hi = acts[k + 1][0] if k + 1 < len(acts) else math.inf
-        for d in drafts[bisect.bisect_left(d0, v[0]) :]:
+        # on a common clock only a draft after the header change can be a reaction to it (one that
+        # started earlier from the same length found its own tokens confirmed); without one the
+        # clocks' skew is estimated from these samples, so they start at the action's start
+        for d in drafts[bisect.bisect_left(d0, v[1] if off else v[0]) :]:
             if d[0] > hi:
                 break
             if int(d[4]) - p - int(d[3]) == length:  # the draft continues from the new tokens
@@ -337,7 +395,7 @@ class Calibration:
     method: str
     profiles: tuple[LatencyProfile, ...]
     rates: tuple[float, ...]
-    down_latency_s: tuple[float, ...]
+    down_latency_s: tuple[float, ...]  # medians
     up_latency_s: tuple[float, ...]
 
 
@@ -385,7 +443,7 @@ def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration
         # one that waits after each action (a verifier) publishes its new demand only after it
         ov = to_act if len(to_act) >= 10 or not to_wait else to_wait
         if ov:
-            prof = replace(prof, overhead_s=statistics.fmean(ov))
+            prof = replace(prof, overhead_s=statistics.fmean(ov), overhead_draws=tuple(to_act + to_wait))
         profiles.append(prof)
     rates, downs, ups = [], [], []
     for j in range(k - 1):
@@ -410,6 +468,15 @@ def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration
     return Calibration(method, tuple(profiles), tuple(rates), tuple(downs), tuple(ups))
 
 
+def recorded_prefills(rec: dict) -> tuple[float, ...]:
+    """Each stage's prefill time in a record (0 where a stage did not prefill)."""
+    out = []
+    for sr in rec["stages"]:
+        pre = [e[1] - e[0] for e in sr.get("timeline") or [] if e[2] == "prefill"]
+        out.append(pre[0] if pre else 0.0)
+    return tuple(out)
+
+
 def simulate_record(
     rec: dict,
     cal: Calibration,
@@ -419,7 +486,8 @@ def simulate_record(
     seed: int = 0,
     blocking_reads: bool = False,
 ) -> SimResult:
-    """Re-run one recorded prompt in the simulator with the calibration's inputs."""
+    """Re-run one recorded prompt in the simulator with the calibration's inputs, each stage
+    starting (on the records' common clock) and prefilling as it did in the run."""
     k = len(cal.profiles)
     traces = tuple(agreement_trace(rec, j + 1) for j in range(k - 1)) if use_traces else ()
     lookup = lookup_trace(rec) if use_traces and k > 1 and cal.profiles[0].kind == "lookup" else None
@@ -436,6 +504,8 @@ def simulate_record(
         method=rec["method"],
         decode=decode,
         prompt_len=len(rec.get("prompt_ids") or []),
+        prefill_s=recorded_prefills(rec),
+        start_s=tuple(_offsets(rec) or (0.0,) * k),
         latency_s=cal.down_latency_s,
         up_latency_s=cal.up_latency_s,
         blocking_reads=blocking_reads,
@@ -466,11 +536,14 @@ def predict_run(
     max_run_ahead: int = 16,
     max_verify: int = 16,
     blocking_reads: bool = False,
+    seeds: Sequence[int] = (0, 1, 2, 3),
 ) -> dict[str, dict]:
     """Measured vs predicted ms/token per method found in a run directory.
 
     scope="method" fits one calibration per method from all its records; scope="record" fits one
-    per record (follows load that changes during the run on a shared machine).
+    per record (follows load that changes during the run on a shared machine). Every record is
+    simulated once per seed (the seed draws agreement away from the recorded path and the loop's
+    overheads; one seed alone moves a prediction by several percent) and the times averaged.
     blocking_reads: the run was made with the old MPI RMA epochs window, whose header reads waited
     for a computing neighbour (before ``SharedEpochWindow``); current runs read headers at once.
     """
@@ -489,10 +562,11 @@ def predict_run(
         tokens = 0
         for r in rs:
             c = cal if cal is not None else calibrate([r], blocking_reads)
-            sim = simulate_record(r, c, use_traces, max_run_ahead, max_verify, blocking_reads=blocking_reads)
+            for seed in seeds:
+                sim = simulate_record(r, c, use_traces, max_run_ahead, max_verify, seed, blocking_reads)
+                sim_wall += sim.wall_s / len(seeds)
             wall += float(r["wall_s"])
             tokens += int(r["n_new_tokens"])
-            sim_wall += sim.wall_s
         measured = 1000.0 * wall / tokens if tokens else float("nan")
         predicted = 1000.0 * sim_wall / tokens if tokens else float("nan")
         row = {

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pipespec_mpi.comm.channel import Proposal
@@ -64,10 +65,12 @@ class SimResult:
 
 
 class _Version:
-    __slots__ = ("t", "header", "tokens")
+    """A published header and its tokens, and from when each neighbour sees it."""
 
-    def __init__(self, t: float, header: Header, tokens: tuple[int, ...]) -> None:
-        self.t, self.header, self.tokens = t, header, tokens
+    __slots__ = ("header", "tokens", "seen_from")
+
+    def __init__(self, header: Header, tokens: tuple[int, ...], seen_from: dict[int, float]) -> None:
+        self.header, self.tokens, self.seen_from = header, tokens, seen_from
 
 
 class _Node:
@@ -80,6 +83,7 @@ class _Node:
         self.inflight: deque[tuple[float, Proposal]] = deque()
         self.next_run = -math.inf
         self.done = False
+        self.rng = random.Random(f"{engine.cfg.seed}:{i}")  # draws of the loop's overhead
         self.model = None  # set by the engine
         self.loop: StageLoop | None = None
         self.outcome: StageOutcome | None = None
@@ -92,13 +96,16 @@ class TimedWindow:
         self.engine, self.me = engine, me
 
     def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
-        node = self.engine.nodes[self.me]
+        eng, node = self.engine, self.engine.nodes[self.me]
         t = node.clock.now()
         h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
-        node.versions.append(_Version(t, h, tuple(tokens)))
+        seen_from = {}
         for j in (self.me - 1, self.me + 1):
-            if 0 <= j < len(self.engine.nodes):
-                self.engine.wake(j, t + self.engine.lat(self.me, j))
+            if 0 <= j < len(eng.nodes):
+                earlier = node.versions[-1].seen_from[j] if node.versions else -math.inf
+                seen_from[j] = max(earlier, t + eng.lat(self.me, j))  # no overtaking
+                eng.wake(j, seen_from[j])
+        node.versions.append(_Version(h, tuple(tokens), seen_from))
 
     def _visible(self, rank: int) -> _Version:
         eng, me = self.engine, self.me
@@ -108,12 +115,11 @@ class TimedWindow:
             if end is not None:
                 # a read of the downstream is granted once it left its forward and published;
                 # a read of the upstream (its idle flag) returns at the end of its forward
-                delay = eng.lat(rank, me) if rank > me else 0.0
-                clock.t = end + delay
-        t, lat = clock.now(), eng.lat(rank, me)
+                clock.t = end + (eng.lat(rank, me) if rank > me else 0.0)
+        t = clock.now()
         vs = eng.nodes[rank].versions
         for v in reversed(vs):
-            if v.t + lat <= t:  # the very sum its wake-up was scheduled at
+            if v.seen_from.get(me, -math.inf) <= t:
                 return v
         return vs[0]
 
@@ -134,9 +140,11 @@ class TimedSender:
         self.bytes_sent = 0
 
     def try_send(self, prompt, epoch, start, tokens, dists=None) -> int:
-        eng = self.engine
+        eng, down = self.engine, self.engine.nodes[self.me + 1]
         t = eng.nodes[self.me].clock.now() + eng.lat(self.me, self.me + 1)
-        eng.nodes[self.me + 1].inflight.append((t, Proposal(prompt, epoch, start, list(tokens), dists)))
+        if down.inflight:
+            t = max(t, down.inflight[-1][0])  # a channel keeps its order
+        down.inflight.append((t, Proposal(prompt, epoch, start, list(tokens), dists)))
         eng.wake(self.me + 1, t)
         self.bytes_sent += 8 * (4 + len(tokens))
         return len(tokens)
@@ -167,6 +175,10 @@ class Engine:
             raise ValueError("a lookup stage can only be stage 0")
         if cfg.method != "ar" and k < 2:
             raise ValueError(f"method={cfg.method} needs at least two stages")
+        for name in ("prefill_s", "start_s"):
+            v = getattr(cfg, name)
+            if v is not None and len(v) != k:
+                raise ValueError(f"{name}: {k} stages need {k} values, got {v}")
         self.cfg = cfg
         self.oracle = TokenOracle(acceptance.rates, acceptance.traces, seed=cfg.seed)
         self.down_lat = self._per_pair(cfg.latency_s, k)
@@ -179,9 +191,7 @@ class Engine:
             if n.profile.kind == "lookup":
                 n.model = OracleLookup(self.oracle, n.profile, acceptance.lookup, n.clock)
             else:
-                n.model = OracleScorer(
-                    self.oracle, n.i, n.profile.name, n.profile, n.clock, cfg.include_prefill
-                )
+                n.model = OracleScorer(self.oracle, n.i, n.profile.name, n.profile, n.clock, self._prefill(n))
             role = StageRole(n.i, k, n.i, n.i - 1 if n.i else None, n.i + 1 if n.i < k - 1 else None)
             n.loop = StageLoop(
                 role, n.model, TimedWindow(self, n.i),
@@ -189,6 +199,14 @@ class Engine:
                 TimedReceiver(self, n.i) if role.upstream is not None else None,
                 n.clock, cfg.decode, NEVER, vocab=self.oracle.vocab, record_timeline=cfg.record_timeline,
             )  # fmt: skip
+
+    def _prefill(self, n: _Node) -> Callable[[int], float] | None:
+        cfg = self.cfg
+        if not cfg.include_prefill:
+            return None
+        if cfg.prefill_s is not None:
+            return lambda _n_prompt: cfg.prefill_s[n.i]
+        return n.profile.prefill_s
 
     @staticmethod
     def _per_pair(v: float | Sequence[float], k: int) -> list[float]:
@@ -221,9 +239,10 @@ class Engine:
         prompt = [1] * max(1, cfg.prompt_len)
         for n in self.nodes:  # the fresh headers every stage publishes before the start gate
             n.loop.reset(PROMPT_SEQ)
+        starts = cfg.start_s or (0.0,) * len(self.nodes)
         for n in self.nodes:
-            n.clock.t = 0.0
-            n.loop.begin(prompt[: cfg.prompt_len] or prompt, cfg.method, Greedy())
+            n.clock.t = starts[n.i]
+            n.loop.begin(prompt, cfg.method, Greedy())
             n.next_run = n.clock.now()
             self.wake(n.i, n.next_run)
         last = self.nodes[-1]
@@ -247,7 +266,8 @@ class Engine:
                 continue
             n.next_run = n.clock.now()
             if step is Step.ACTED:
-                n.next_run += n.profile.overhead_s
+                draws = n.profile.overhead_draws
+                n.next_run += n.rng.choice(draws) if draws else n.profile.overhead_s
             if step is not Step.WAITING:  # again at once after progress, as a rank's driver does
                 self.wake(i, n.next_run)
             # waiting: asleep until something it can see changes
@@ -256,7 +276,8 @@ class Engine:
             raise RuntimeError(f"simulation stalled before the last stage finished: {state}")
         outcomes = [n.outcome or n.loop.finish() for n in self.nodes]
         tokens = outcomes[-1].tokens
-        return SimResult(cfg.method, len(tokens), end_t, tokens, self.oracle.canonical(len(tokens)), outcomes)
+        wall = end_t - starts[-1]  # as the last stage measures it: from its own start
+        return SimResult(cfg.method, len(tokens), wall, tokens, self.oracle.canonical(len(tokens)), outcomes)
 
 
 def simulate(

@@ -90,9 +90,9 @@ class Scenario:
         return self.family.split("-")[1]
 
     @classmethod
-    def draw(cls, family: str, seed: int, preset: str | None = None) -> Scenario:
-        """The scenario of (family, seed); a ``preset`` fixes the configuration (PRESETS) and
-        leaves the schedule to the seed."""
+    def draw(cls, family: str, seed: int, preset: str | None = None, **fixed) -> Scenario:
+        """The scenario of (family, seed); a ``preset`` (PRESETS) or ``fixed`` fields set part of
+        the configuration and leave the rest, and the schedule, to the seed."""
         if family not in FAMILIES:
             raise ValueError(f"family {family!r}: one of {', '.join(FAMILIES)}")
         rng = random.Random(f"scenario:{family}:{seed}")
@@ -112,7 +112,7 @@ class Scenario:
             max_run_ahead=rng.choice([x for x in (1, 2, 3, 4, 6, 8, 16) if x >= w]),
             max_verify=rng.choice((w, w + 1, max(w, 4), 16)),
         )
-        fixed = PRESETS[preset] if preset else {}
+        fixed = {**(PRESETS[preset] if preset else {}), **fixed}
         k = fixed.get("k", k)
         decode = fixed.get("decode", decode)
         problems = validate_decode(decode, sd_needed=method == "sd")

@@ -15,7 +15,10 @@ class LatencyProfile:
 
     forward_s(n, ctx) = interp(points, n) + per_ctx_s * (ctx - ctx_ref), where ``points`` are
     (n, seconds) pairs, linearly interpolated and extrapolated with the last segment's slope (a
-    single point means a flat profile). ``overhead_s`` is the loop's own cost after each action.
+    single point means a flat profile). ``overhead_s`` is the loop's own cost after each action;
+    with ``overhead_draws`` (gaps observed in a run) each action's cost is drawn from them instead
+    (a rank that shares its cores is now and then descheduled for milliseconds: a mean charged
+    after every action would miss that it then finds more proposals waiting).
     kind="lookup" is a model-free drafter proposing up to ``max_proposal`` tokens per call, each
     call finding a continuation with probability ``lookup_hit_rate``, or ``lookup_chain_rate``
     (default: the same) when it continues its own previous proposal (copying from the same source,
@@ -27,6 +30,7 @@ class LatencyProfile:
     per_ctx_s: float = 0.0
     ctx_ref: float = 0.0
     overhead_s: float = 0.0
+    overhead_draws: tuple[float, ...] = ()
     prefill_base_s: float = 0.0
     prefill_per_token_s: float = 0.0
     kind: str = "model"
@@ -91,6 +95,10 @@ class SimConfig:
     # (MPICH without asynchronous progress, run.epochs_window=rma). False: shared memory.
     blocking_reads: bool = False
     include_prefill: bool = True
+    # replaying a recorded prompt: each stage's prefill time, and when it started relative to the
+    # last stage (stages leave the start gate at different moments); None: the profiles, all at 0
+    prefill_s: tuple[float, ...] | None = None
+    start_s: tuple[float, ...] | None = None
     seed: int = 0
     record_timeline: bool = False
     max_events: int = 5_000_000

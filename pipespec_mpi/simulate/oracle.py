@@ -12,7 +12,7 @@ checked, not assumed: a forward over a cache the loop forgot to cut back is a ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -150,10 +150,13 @@ class SimClock:
 
 
 class _Compute:
-    """Charges forwards to a simulated clock and remembers when the stage was computing."""
+    """Charges forwards to a simulated clock and remembers when the stage was computing;
+    ``prefill``: seconds to prefill a prompt of n tokens (None: free)."""
 
-    def __init__(self, profile: LatencyProfile | None, clock: SimClock | None, include_prefill: bool) -> None:
-        self.profile, self.clock, self.include_prefill = profile, clock, include_prefill
+    def __init__(
+        self, profile: LatencyProfile | None, clock: SimClock | None, prefill: Callable[[int], float] | None
+    ) -> None:
+        self.profile, self.clock, self.prefill_cost = profile, clock, prefill
         self.forwards: list[tuple[float, float]] = []  # (start, end), in time order
 
     def charge(self, seconds: float) -> None:
@@ -168,8 +171,8 @@ class _Compute:
             self.charge(self.profile.forward_s(n, ctx))
 
     def prefill(self, n_prompt: int) -> None:
-        if self.profile is not None and self.include_prefill:
-            self.charge(self.profile.prefill_s(n_prompt))
+        if self.prefill_cost is not None:
+            self.charge(self.prefill_cost(n_prompt))
 
 
 class _PrefixHashes:
@@ -210,11 +213,11 @@ class OracleScorer:
         name: str = "",
         profile: LatencyProfile | None = None,
         clock: SimClock | None = None,
-        include_prefill: bool = True,
+        prefill: Callable[[int], float] | None = None,
     ) -> None:
         self.oracle, self.stage = oracle, stage
         self.name = name or (profile.name if profile else f"oracle{stage}")
-        self.compute = _Compute(profile, clock, include_prefill)
+        self.compute = _Compute(profile, clock, prefill)
         self.hashes = _PrefixHashes(oracle)
         self.cache: list[int] = []
         self.prompt_len = 0
@@ -264,7 +267,7 @@ class OracleLookup:
     ) -> None:
         self.oracle, self.profile, self.seen = oracle, profile, seen
         self.name = profile.name
-        self.compute = _Compute(profile, clock, include_prefill=False)
+        self.compute = _Compute(profile, clock, None)
         self.hashes = _PrefixHashes(oracle)
         self.prompt_len = 0
         self.chain: tuple[int, int] | None = None  # (length, hash) after the last proposal

@@ -1,76 +1,23 @@
 """Sampled output must follow the last model's own distribution exactly, through 2 and 3
 asynchronous stages. The exact joint distribution of the first two tokens is computed from the
-tiny target itself; samples from a real mpirun are compared to it with a chi-square test. The
-same test must reject a deliberately broken verifier that accepts every proposal."""
+tiny target itself; samples from a real mpirun are compared to it with a chi-square test
+(tests/sampling_stats.py). That the same test rejects a verifier that accepts every proposal is
+shown in-process (tests/unit/test_sampling_power.py), where a test can pass a broken verifier in."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import launch_ok, outputs_by_method
-
-from pipespec_mpi.config import TinyBaseConfig
-from pipespec_mpi.models.tiny import build_tiny
-from pipespec_mpi.speculative.sampling import processed_logprobs
+from sampling_stats import PROMPT, N, chi_square, exact_joint
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-N = 400
-PROMPT = "def fib(n):"
-EOS = 257
-
-
-def exact_joint(temperature: float, top_k: int, top_p: float) -> dict[tuple, float]:
-    """P(first two tokens) under the target alone; a sequence ending in EOS is a 1-tuple."""
-    target = build_tiny(TinyBaseConfig(), None, 0.0, 2, torch.float64)
-    ids = [256, *PROMPT.encode()]
-
-    def probs(seq):
-        with torch.no_grad():
-            logits = target(input_ids=torch.tensor([seq])).logits[0, -1:]
-        return processed_logprobs(logits, temperature, top_k, top_p)[0].exp()
-
-    p1 = probs(ids)
-    joint = {}
-    for a in torch.nonzero(p1 > 0).flatten().tolist():
-        if a == EOS:
-            joint[(a,)] = float(p1[a])
-            continue
-        p2 = probs([*ids, a])
-        for b in torch.nonzero(p2 > 0).flatten().tolist():
-            joint[(a, b)] = float(p1[a] * p2[b])
-    return joint
-
-
-def chi_square(samples: list[tuple[int, int]], joint: dict) -> tuple[float, float]:
-    """Statistic and a critical value at about p = 1e-4 (bins with expected count < 5 pooled)."""
-    counts = Counter(samples)
-    outside = sum(c for k, c in counts.items() if k not in joint)
-    if outside:
-        return float("inf"), 0.0
-    bins, pooled_e, pooled_o = [], 0.0, 0
-    for k, p in joint.items():
-        e = p * len(samples)
-        if e >= 5:
-            bins.append((counts.get(k, 0), e))
-        else:
-            pooled_e += e
-            pooled_o += counts.get(k, 0)
-    if pooled_e > 0:
-        bins.append((pooled_o, pooled_e))
-    stat = sum((o - e) ** 2 / e for o, e in bins)
-    df = max(1, len(bins) - 1)
-    # Wilson-Hilferty approximation of the chi-square quantile, z = 3.72 (p ~ 1e-4)
-    crit = df * (1 - 2 / (9 * df) + 3.72 * math.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 def sample_pairs(
-    tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, coupling: str, env=None
+    tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, coupling: str
 ) -> list:
     jsonl = tmp / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": PROMPT, "id": "fib"}) + "\n")
@@ -82,7 +29,6 @@ def sample_pairs(
          f"sampling.num_samples={N}", "seed=7"],
         tmp / "run",
         timeout=600,
-        env=env,
     )  # fmt: skip
     assert len(recs) == N
     assert sum(r["stages"][-1]["tokens_accepted"] for r in recs) > 0  # verification happened
@@ -103,15 +49,6 @@ def test_pipespec_samples_follow_the_target_distribution(
     pairs = sample_pairs(tmp_path, hier, n, temperature, top_k, top_p, coupling)
     stat, crit = chi_square(pairs, joint)
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: samples do not follow the target"
-
-
-@pytest.mark.parametrize("coupling", ["leviathan", "gumbel"])
-def test_the_same_test_catches_an_always_accepting_verifier(tmp_path, coupling):
-    joint = exact_joint(1.0, 4, 1.0)
-    env = {"PIPESPEC_BROKEN_VERIFIER": "1"}
-    pairs = sample_pairs(tmp_path, "tiny", 3, 1.0, 4, 1.0, coupling, env=env)
-    stat, crit = chi_square(pairs, joint)
-    assert stat > crit, f"broken verifier not detected: chi2 {stat:.1f} < {crit:.1f}"
 
 
 def test_gumbel_sampling_is_reproducible_and_identical_across_methods(tmp_path):

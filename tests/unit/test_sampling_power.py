@@ -1,0 +1,55 @@
+"""The statistical test of sampling must be able to fail. The real stage loop samples in-process:
+tiny models, the schedule explorer's ports and schedules (simulate/explore.py), the same prompt as
+the MPI sampling tests. The chi-square test accepts the Leviathan verifier and rejects a verifier
+that accepts every proposal, which the test passes in (``AcceptAll``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from sampling_stats import EOS, PROMPT_IDS, N, chi_square, exact_joint
+
+from pipespec_mpi.config import DecodeConfig, load_config
+from pipespec_mpi.models.base import KVScorer
+from pipespec_mpi.models.loader import load_stage
+from pipespec_mpi.simulate.explore import Parts, Scenario, World
+from pipespec_mpi.speculative.verifiers import AcceptAll
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_parts(wrap=None) -> Parts:
+    """The tiny hierarchy's three models (weights built once, a fresh KV cache per call)."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = load_config(OmegaConf.to_container(compose(config_name="config", overrides=["hierarchy=tiny"])))
+    hier = cfg.hierarchy
+    scorers = [load_stage(hier, i, []) for i in range(hier.n_stages)]
+
+    def model(i: int) -> KVScorer:
+        return KVScorer(scorers[i].name, scorers[i].model, torch.device("cpu"))
+
+    return Parts(model, [list(PROMPT_IDS)] * N, EOS, wrap)
+
+
+def samples(coupling: str, broken: bool) -> list[tuple]:
+    # a random schedule of a brisk pipeline (the adversarial ones are the explorer's own runs)
+    sc = Scenario.draw(f"pipespec-{coupling}", 7, k=3, lookup=False, n_prompts=N, top_k=4,
+                       decode=DecodeConfig(lookahead=2, max_new_tokens=2), gate_delay=0, handoff_delay=0,
+                       p_deliver=1.0, starve=False, bursts=False)  # fmt: skip
+    world = World(sc, tiny_parts(AcceptAll if broken else None))
+    found = world.run()
+    assert found.verdict in (("ok", "mismatch") if broken else ("ok",)), found
+    assert sum(world.outcomes[(j.seq, 2)].stats.tokens_accepted for j in world.jobs) > 0
+    return [tuple(out[:2]) for out in world.outputs()]
+
+
+@pytest.mark.parametrize("coupling,broken", [("leviathan", False), ("leviathan", True), ("gumbel", True)])
+def test_chi_square_accepts_the_verifier_and_rejects_an_always_accepting_one(coupling, broken):
+    stat, crit = chi_square(samples(coupling, broken), exact_joint(1.0, 4, 1.0))
+    if broken:
+        assert stat > crit, f"broken verifier not detected: chi2 {stat:.1f} < {crit:.1f}"
+    else:
+        assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: samples do not follow the target"
