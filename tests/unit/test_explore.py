@@ -1,0 +1,97 @@
+"""The schedule explorer (simulate/explore.py): a CI slice of its schedules, every bug it found as
+a regression seed (which fails again once the fix is taken out), and the real tiny models under it.
+
+The long run (docs/protocol.md): python -m pipespec_mpi.simulate.explore --count 10000 --jobs 2
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_sampling_power import tiny_parts
+
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore, sweep
+from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
+from pipespec_mpi.stage.loop import Mailbox, StageLoop
+
+
+def test_a_slice_of_every_family_terminates_losslessly_with_counters_that_add_up():
+    for tally in sweep(FAMILIES, count=50, start=100_000) + sweep(
+        ["pipespec-greedy"], 30, preset="slurm-sweep"
+    ):
+        assert tally.counts == {"ok": tally.schedules}, tally.failures
+
+
+# ------------------------------------------------------------------------------ regression seeds
+# (family, seed, preset): found by the explorer on the loop without the fix named (docs/protocol.md)
+RESEND = [("pipespec-greedy", 235, None), ("sd-greedy", 18, None), ("pipespec-greedy", 127, "slurm-sweep")]
+ONCE = [("pipespec-leviathan", 54, None), ("sd-leviathan", 16, None)]
+KEEP = [("pipespec-greedy", 16, None), ("pipespec-leviathan", 2, None), ("pipespec-greedy", 6, "slurm-sweep")]
+
+
+def without_resend(monkeypatch) -> None:
+    """P1 back in: a stage sends what its downstream is owed only right after acting (or to finish
+    a send that ran out of buffers); an epoch change alone does not make it send again."""
+    send, act = StageLoop._send_owed, StageLoop._act
+
+    def act_then_send(self, d):
+        self._after_act = True
+        return act(self, d)
+
+    def send_after_acting(self):
+        if not (getattr(self, "_after_act", False) or getattr(self, "_partial", False)):
+            return False
+        self._after_act = False
+        out = send(self)
+        self._partial = self.sent < len(self.out)
+        return out
+
+    monkeypatch.setattr(StageLoop, "_act", act_then_send)
+    monkeypatch.setattr(StageLoop, "_send_owed", send_after_acting)
+
+
+def dropping_while_waiting(monkeypatch) -> None:
+    """P3 back in: while a stage waits for the start of the next prompt, what arrives is dropped."""
+    monkeypatch.setattr(Mailbox, "pump", lambda self: self.receiver and self.receiver.poll())
+
+
+def resending_leviathan(monkeypatch) -> None:
+    """P2 back in: Leviathan tokens are sent again after an epoch change, like greedy ones."""
+    monkeypatch.setattr(Leviathan, "resendable", True)
+
+
+@pytest.mark.parametrize("family,seed,preset", RESEND + ONCE + KEEP)
+def test_regression_seed_passes(family, seed, preset):
+    assert explore(family, seed, preset).ok
+
+
+@pytest.mark.parametrize(
+    "family,seed,preset,bug,verdict",
+    [(*c, without_resend, "stall") for c in RESEND]
+    + [(*c, resending_leviathan, "error") for c in ONCE]
+    + [(*c, dropping_while_waiting, "stall") for c in KEEP],
+)
+def test_regression_seed_fails_without_its_fix(monkeypatch, family, seed, preset, bug, verdict):
+    bug(monkeypatch)
+    found = explore(family, seed, preset)
+    assert found.verdict == verdict, found
+
+
+def test_a_wrong_verifier_is_a_mismatch():
+    sc = Scenario.draw("pipespec-greedy", 3)
+    world = World(sc)
+    parts = world.parts
+    found = World(sc, Parts(parts.model, parts.prompts, parts.eos, AcceptAll)).run()
+    assert found.verdict == "mismatch", found
+
+
+@pytest.mark.parametrize("family", ["pipespec-greedy", "sd-greedy"])
+def test_the_real_tiny_models_stay_lossless_under_adversarial_schedules(family):
+    for seed in range(4):
+        sc = Scenario.draw(family, seed, k=3, lookup=False, n_prompts=2,
+                           decode=DecodeConfig(lookahead=seed % 3, sd_window=2, max_run_ahead=4,
+                                               max_new_tokens=12))  # fmt: skip
+        parts = tiny_parts()
+        parts = Parts(parts.model, parts.prompts[:2], parts.eos)
+        found = World(sc, parts).run()
+        assert found.ok, found
