@@ -39,11 +39,11 @@ Discrepancies found when checking the paper's rho (documented, not "fixed"):
     E[N] -> 1 / (1 - alpha^2) in that limit, about half of the S -> 1 / (1 - alpha) that a verifier
     that always had drafts pending would get. The real pipeline's rho depends on the draft speed c
     (how many drafts are pending after a rollback), which the closed form does not contain; the
-    simulator (pipespec_mpi/simulate.py) measures it instead.
+    simulator (pipespec_mpi/simulate/) measures it instead.
   * E[N] counts tokens per verifier *step* and ignores that verifying gamma tokens costs more than a
     one-token step; with a target whose multi-token forward costs several one-token forwards (the
     paper's 4-bit 70B: ~124 ms for one token, ~430 ms for a multi-token forward) the time speedup
-    is far below E[N]. simulate.py uses measured forward times instead.
+    is far below E[N]. The simulator uses measured forward times instead.
 """
 
 from __future__ import annotations

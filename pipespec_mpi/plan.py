@@ -6,7 +6,7 @@
 
 It searches hierarchies (every ordered choice of distinct drafters in front of the target: subsets
 and orderings of the available models), SD windows and PipeSpec lookaheads, simulates each with
-i.i.d. acceptance (pipespec_mpi/simulate.py) and prints the best configurations per method with
+i.i.d. acceptance (pipespec_mpi/simulate/) and prints the best configurations per method with
 their predicted speedup over AR, as Hydra overrides ready to paste after
 ``mpirun -n <stages> python -m pipespec_mpi``.
 

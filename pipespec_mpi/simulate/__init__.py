@@ -2,7 +2,8 @@
 
 inputs.py       LatencyProfile (forward cost by tokens and context), Acceptance, SimConfig
 oracle.py       oracle models (token agreement at set rates or along recorded traces), SimClock
-engine.py       the timed engine: simulated clock, window and channels with delays
+engine.py       the timed engine: when each stage's real StageLoop steps
+ports.py        the timed window and channels (delays, blocking reads)
 calibration.py  simulator inputs fitted from a run directory; predict a run's ms/token
 paper.py        the paper's setting (profiles, acceptance traces, reported results)
 explore.py      the schedule explorer: the same loop under adversarial schedules

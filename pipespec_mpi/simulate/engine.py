@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pipespec_mpi.comm.channel import Proposal
-from pipespec_mpi.comm.window import Header
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, SimClock, TokenOracle
+from pipespec_mpi.simulate.ports import TimedReceiver, TimedSender, TimedWindow, Version
 from pipespec_mpi.speculative.verifiers import Greedy
 from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
@@ -64,22 +64,13 @@ class SimResult:
         return self.stages[stage].token_balance(len(self.outcomes[stage].tokens))
 
 
-class _Version:
-    """A published header and its tokens, and from when each neighbour sees it."""
-
-    __slots__ = ("header", "tokens", "seen_from")
-
-    def __init__(self, header: Header, tokens: tuple[int, ...], seen_from: dict[int, float]) -> None:
-        self.header, self.tokens, self.seen_from = header, tokens, seen_from
-
-
 class _Node:
     """One simulated stage: its loop, clock, model, published headers and incoming proposals."""
 
     def __init__(self, engine: Engine, i: int, profile: LatencyProfile) -> None:
         self.i, self.profile = i, profile
         self.clock = SimClock(-math.inf)
-        self.versions: list[_Version] = []
+        self.versions: list[Version] = []
         self.inflight: deque[tuple[float, Proposal]] = deque()
         self.next_run = -math.inf
         self.done = False
@@ -87,79 +78,6 @@ class _Node:
         self.model = None  # set by the engine
         self.loop: StageLoop | None = None
         self.outcome: StageOutcome | None = None
-
-
-class TimedWindow:
-    """A stage's view of the epochs window: its own header versions, its neighbours' as delayed."""
-
-    def __init__(self, engine: Engine, me: int) -> None:
-        self.engine, self.me = engine, me
-
-    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
-        eng, node = self.engine, self.engine.nodes[self.me]
-        t = node.clock.now()
-        h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
-        seen_from = {}
-        for j in (self.me - 1, self.me + 1):
-            if 0 <= j < len(eng.nodes):
-                earlier = node.versions[-1].seen_from[j] if node.versions else -math.inf
-                seen_from[j] = max(earlier, t + eng.lat(self.me, j))  # no overtaking
-                eng.wake(j, seen_from[j])
-        node.versions.append(_Version(h, tuple(tokens), seen_from))
-
-    def _visible(self, rank: int) -> _Version:
-        eng, me = self.engine, self.me
-        clock = eng.nodes[me].clock
-        if eng.cfg.blocking_reads:
-            end = eng.forward_end(rank, clock.now())
-            if end is not None:
-                # a read of the downstream is granted once it left its forward and published;
-                # a read of the upstream (its idle flag) returns at the end of its forward
-                clock.t = end + (eng.lat(rank, me) if rank > me else 0.0)
-        t = clock.now()
-        vs = eng.nodes[rank].versions
-        for v in reversed(vs):
-            if v.seen_from.get(me, -math.inf) <= t:
-                return v
-        return vs[0]
-
-    def header(self, rank: int) -> Header:
-        return self._visible(rank).header
-
-    def snapshot(self, rank: int) -> tuple[Header, list[int]]:
-        v = self._visible(rank)
-        return v.header, list(v.tokens)
-
-    def beat(self) -> None:
-        pass
-
-
-class TimedSender:
-    def __init__(self, engine: Engine, me: int) -> None:
-        self.engine, self.me = engine, me
-        self.bytes_sent = 0
-
-    def try_send(self, prompt, epoch, start, tokens, dists=None) -> int:
-        eng, down = self.engine, self.engine.nodes[self.me + 1]
-        t = eng.nodes[self.me].clock.now() + eng.lat(self.me, self.me + 1)
-        if down.inflight:
-            t = max(t, down.inflight[-1][0])  # a channel keeps its order
-        down.inflight.append((t, Proposal(prompt, epoch, start, list(tokens), dists)))
-        eng.wake(self.me + 1, t)
-        self.bytes_sent += 8 * (4 + len(tokens))
-        return len(tokens)
-
-
-class TimedReceiver:
-    def __init__(self, engine: Engine, me: int) -> None:
-        self.engine, self.me = engine, me
-
-    def poll(self) -> list[Proposal]:
-        node = self.engine.nodes[self.me]
-        out = []
-        while node.inflight and node.inflight[0][0] <= node.clock.now():
-            out.append(node.inflight.popleft()[1])
-        return out
 
 
 class Engine:

@@ -74,13 +74,13 @@ PAPER_COMMITTED_PER_FORWARD: dict[tuple[str, ...], tuple[int, float]] = {
     ("1B", "70B"): (1, 194 / 21),  # 9.24
     ("1B", "8B", "70B"): (1, 513 / 170),  # 3.02 per 8B forward
 }
-# Rates fitted by fit_paper_rates() (lookahead 4, 6 seeds): "trace" mode, the probability that
-# the drafter's token agrees where the trace has no verdict (the last token of each
-# verification: a correction, or a bonus the drafter may have matched); "iid" mode, the i.i.d.
-# acceptance for every position.
+# Rates fitted by fit_paper_rates() (lookahead 4, 8 seeds; ``--fit-paper-rates``): "trace" mode,
+# the probability that the drafter's token agrees where the trace has no verdict (the last token
+# of each verification: a correction, or a bonus the drafter may have matched); "iid" mode, the
+# i.i.d. acceptance for every position.
 PAPER_RATES: dict[str, dict[tuple[str, str], float]] = {
-    "trace": {("8B", "70B"): 0.627, ("1B", "70B"): 0.424, ("1B", "8B"): 0.775},
-    "iid": {("8B", "70B"): 0.958, ("1B", "70B"): 0.956, ("1B", "8B"): 0.787},
+    "trace": {("8B", "70B"): 0.512, ("1B", "70B"): 0.393, ("1B", "8B"): 0.757},
+    "iid": {("8B", "70B"): 0.941, ("1B", "70B"): 0.941, ("1B", "8B"): 0.76},
 }
 # The reference verifier publishes its output, waits for the drafter to acknowledge a rollback
 # and for two drafts beyond its output, then verifies everything pending and never takes a step

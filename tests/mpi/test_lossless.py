@@ -102,3 +102,19 @@ def test_rma_epochs_window_is_lossless_too(tmp_path):
     )  # fmt: skip
     _check_equal(recs, ["ar", "sd", "pipespec"])
     assert sum(r["stages"][-1]["rollbacks_signalled"] for r in recs if r["method"] == "pipespec") > 0
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_slurm_sweep_configuration_never_stalls(tmp_path, attempt):
+    """The job that once stalled in the Slurm sweep test (tiny, lookahead 2, max_run_ahead 8, 16
+    tokens; the explorer's ``slurm-sweep`` preset), many prompt starts in a row: a stall would end
+    the run after run.stall_timeout_s with a StallError."""
+    methods = ["ar", "sd", "pipespec"]
+    recs = launch_ok(
+        3,
+        ["hierarchy=tiny", "dataset=synthetic", "n_prompts=12", "max_new_tokens=16", "lookahead=2",
+         "decode.max_run_ahead=8", "mode=benchmark", "run.stall_timeout_s=20", f"seed={attempt}"],
+        tmp_path,
+    )  # fmt: skip
+    _check_equal(recs, methods)
+    assert len(recs) == 3 * 13
