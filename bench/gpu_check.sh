@@ -2,10 +2,10 @@
 # GPU check, for a machine with one or more NVIDIA GPUs (under 5 minutes on one GPU):
 #   bash bench/gpu_check.sh
 # Runs the tiny and SmolLM2 hierarchies with 3 ranks (sharing the GPU when there is one) in
-# mode=benchmark and prints AR/SD/PipeSpec ms/token and busy fractions per stage, then the
+# run.mode=benchmark and prints AR/SD/PipeSpec ms/token and busy fractions per stage, then the
 # proposal round trip per transport. NCCL cannot put two ranks on one GPU ("duplicate GPU"), so
-# with a single GPU the pipelines use transport=mpi and the NCCL round trip is skipped; with two
-# or more GPUs it runs with transport=nccl and measures NCCL too.
+# with a single GPU the pipelines use transport.kind=mpi and the NCCL round trip is skipped; with two
+# or more GPUs it runs with transport.kind=nccl and measures NCCL too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
@@ -27,9 +27,9 @@ for m, r in b.items():
 PYEOF
 }
 for H in tiny smollm2; do
-  echo "== hierarchy=$H transport=$TRANSPORT"
-  timeout 200 $MPIRUN -n 3 $PY -m pipespec_mpi hierarchy=$H mode=benchmark lookahead=2 n_prompts=3 \
-    max_new_tokens=64 transport=$TRANSPORT run.progress=false hydra.run.dir=$OUT/$H > $OUT.$H.log 2>&1 \
+  echo "== hierarchy=$H transport.kind=$TRANSPORT"
+  timeout 200 $MPIRUN -n 3 $PY -m pipespec_mpi hierarchy=$H run.mode=benchmark decode.lookahead=2 dataset.n_prompts=3 \
+    decode.max_new_tokens=64 transport.kind=$TRANSPORT run.progress=false hydra.run.dir=$OUT/$H > $OUT.$H.log 2>&1 \
     || { echo "  failed: see $OUT.$H.log"; tail -20 $OUT.$H.log; continue; }
   summary $OUT/$H
 done

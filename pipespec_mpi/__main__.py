@@ -30,7 +30,7 @@ from pipespec_mpi.comm.bootstrap import (
     shutdown_torch_distributed,
     world_info,
 )
-from pipespec_mpi.config import load_config
+from pipespec_mpi.config import load_config, register
 from pipespec_mpi.topology import check_world
 
 WORLD = None  # this process's world, set by current_world(); read by the task function
@@ -55,7 +55,7 @@ def app(cfg: DictConfig) -> None:
 
     world = current_world()
     try:
-        typed = load_config(OmegaConf.to_container(cfg, resolve=True))
+        typed = load_config(cfg)
         check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         logger = logging.getLogger("pipespec_mpi")
@@ -128,6 +128,7 @@ def main() -> None:
         "pipespec_output_subdir", lambda: ".hydra" if current_world().rank == 0 else None, replace=True
     )
     OmegaConf.register_new_resolver("pipespec_rank", lambda: current_world().rank, replace=True)
+    register()  # the schema conf/config.yaml composes on
     app()
     shutdown_torch_distributed()
 

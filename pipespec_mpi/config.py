@@ -1,18 +1,30 @@
-"""Typed configuration: one frozen dataclass per component, built once from the Hydra tree.
+"""Typed configuration: one dataclass per component, the only home of every default.
+
+``AppConfig`` is the Hydra schema (``register`` stores it in Hydra's ConfigStore as
+``app_schema``, the first entry of conf/config.yaml's defaults list): Hydra rejects an unknown key
+or a value of the wrong type while it composes, and the YAML files under conf/ hold only what
+differs from these defaults (a hierarchy's stages, a dataset's name and files). Every setting has
+one name, its path in this tree (``decode.lookahead``, ``dataset.n_prompts``, ``run.mode``).
+
+The dataclasses are not frozen: Hydra merges the YAML files and the overrides into the schema's
+nodes, which a frozen dataclass makes read-only. Nothing changes a config after ``load_config``;
+derive a variant with ``dataclasses.replace``.
 
 Every component receives only its own node (``HierarchyConfig`` for model loading, ``DecodeConfig``
-for the stage loop, ...). ``load_config`` validates everything up front and raises one
-``ConfigError`` that names every offending value, so a typo never reaches a rank's model loader.
+for the stage loop, ...). ``load_config`` turns the composed tree into these dataclasses and runs
+``validate``, the rules across fields and the allowed values, raising one ``ConfigError`` that
+names every offending value, so a typo never reaches a rank's model loader.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 from pipespec_mpi.errors import UserError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # what ``python -m pipespec_mpi`` composes
 
 METHODS = ("ar", "sd", "pipespec")
 MODES = ("single", "benchmark")
@@ -32,7 +44,7 @@ class ConfigError(UserError, ValueError):
         super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
 
 
-@dataclass(frozen=True)
+@dataclass
 class TinyBaseConfig:
     """The random-initialised target from which the ``tiny`` hierarchy derives its stages."""
 
@@ -46,7 +58,7 @@ class TinyBaseConfig:
     seed: int = 1234
 
 
-@dataclass(frozen=True)
+@dataclass
 class StageConfig:
     """One stage of the hierarchy; which fields matter depends on ``kind``.
 
@@ -78,7 +90,7 @@ class StageConfig:
     max_proposal: int = 8
 
 
-@dataclass(frozen=True)
+@dataclass
 class TokenizerConfig:
     kind: str = "bytes"
     path: str | None = None
@@ -87,47 +99,52 @@ class TokenizerConfig:
     chat_template: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class HierarchyConfig:
+    """The stages, smallest first (conf/hierarchy/<name>.yaml), and their shared tokenizer."""
+
     name: str
     stages: tuple[StageConfig, ...]
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     tiny: TinyBaseConfig = field(default_factory=TinyBaseConfig)
+
+    def __post_init__(self) -> None:
+        self.stages = tuple(self.stages)  # Hydra hands over a list
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
 
 
-@dataclass(frozen=True)
-class MethodConfig:
-    name: str = "pipespec"
-
-
-@dataclass(frozen=True)
+@dataclass
 class DatasetConfig:
+    """Which prompts (conf/dataset/<name>.yaml names the dataset and its files)."""
+
     name: str = "humaneval"
-    path: str | None = None
-    n_prompts: int = 4
+    path: str | None = None  # dataset=jsonl: the file
+    n_prompts: int = 4  # taken after a seeded shuffle
     shuffle: bool = True
-    seed: int = 0
-    chat_template: bool | None = None
+    seed: int = 0  # the shuffle's (and the synthetic text's) seed
+    chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
     max_prompt_tokens: int = 512
-    shard_index: int = 0
+    shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
     shard_count: int = 1
     hub_name: str | None = None
     split: str = "test"
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodeConfig:
-    """What the stage loop needs: window sizes and budgets (the algorithm's knobs)."""
+    """What the stage loop needs: window sizes and budgets (the algorithm's knobs). Defaults
+    chosen by measurement (README "The default hierarchy", docs/performance.md)."""
 
-    lookahead: int = 0
-    max_new_tokens: int = 64
-    max_run_ahead: int = 16
-    max_verify: int = 16
-    sd_window: int | None = None  # SD's fixed window; None: the lookahead
+    lookahead: int = 0  # proposals a PipeSpec verifier waits for; 0 = verify whatever is pending,
+    # else take a step of its own (the paper's rule)
+    max_new_tokens: int = 64  # the last stage stops here or at EOS
+    max_run_ahead: int = 8  # how far a stage may run ahead of its verifier's committed tokens (work
+    # beyond a rejection is lost and, on shared cores, slows the verifier)
+    max_verify: int = 16  # most proposal tokens verified in one forward
+    sd_window: int | None = 2  # synchronous SD's fixed window; None: the lookahead
 
     def window(self, method: str) -> int:
         """Proposals a verifier waits for under ``method``: SD's fixed window, else the lookahead."""
@@ -136,7 +153,7 @@ class DecodeConfig:
         return self.lookahead
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingConfig:
     """temperature 0 = greedy. Otherwise exact sampling through the hierarchy (spec/sampling.py);
     ``num_samples`` independent samples per prompt, each its own results line."""
@@ -149,131 +166,82 @@ class SamplingConfig:
     coupling: str = "leviathan"  # leviathan (min(1, p/q) rule) | gumbel (shared noise, reproducible)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransportConfig:
+    """How proposals travel: mpi | gloo | nccl | auto (nccl on CUDA, else mpi)."""
+
     kind: str = "auto"
-    depth: int = 8
+    depth: int = 8  # receives posted ahead, and send buffers
     max_msg_tokens: int = 32
-    iface: str | None = None
+    iface: str | None = None  # the rendezvous interface for gloo/nccl (None: picked)
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunConfig:
+    """The job around the decoding: one method, or all of them interleaved (``mode=benchmark``:
+    every prompt with each of ``methods``, A B C A B C ..., after ``warmup_prompts`` uncounted
+    ones; writes benchmark.json)."""
+
     mode: str = "single"
     methods: tuple[str, ...] = ("ar", "sd", "pipespec")
     warmup_prompts: int = 1
-    seed: int = 0
-    resume: bool = False
-    stall_timeout_s: float = 120.0
+    resume: bool = False  # skip (prompt, method, sample) triples already in this run directory
+    stall_timeout_s: float = 120.0  # a stage that sees no progress this long aborts the job
     progress: bool = True
     epochs_window: str = "auto"  # auto: shared memory when every pipeline is node-local; rma
 
+    def __post_init__(self) -> None:
+        self.methods = tuple(self.methods)  # Hydra hands over a list
 
-@dataclass(frozen=True)
+
+@dataclass
 class AppConfig:
     hierarchy: HierarchyConfig
-    method: MethodConfig
-    dataset: DatasetConfig
-    decode: DecodeConfig
-    transport: TransportConfig
-    run: RunConfig
+    method: str = "pipespec"  # ar | sd | pipespec (run.mode=single)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 # --------------------------------------------------------------------------------------------
-# building dataclasses from plain containers, rejecting unknown keys
+# the Hydra schema, composing, validating
 
 
-def _build(cls: type, node: Mapping[str, Any] | None, where: str, problems: list[str]) -> Any:
-    node = dict(node or {})
-    names = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(node) - set(names))
-    for key in unknown:
-        problems.append(f"{where}.{key}: unknown key (known: {', '.join(sorted(names))})")
-        node.pop(key)
-    missing = [
-        n
-        for n, f in names.items()
-        if n not in node and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
-    for n in missing:
-        problems.append(f"{where}.{n}: required")
-    if missing:
-        return None
-    return cls(**node)
+def register() -> None:
+    """Store ``AppConfig`` in Hydra's ConfigStore as ``app_schema`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="app_schema", node=AppConfig)
 
 
-def _int(value: Any) -> bool:
+def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def load_config(root: Mapping[str, Any]) -> AppConfig:
-    """Turn the composed Hydra tree (as plain containers) into typed, validated config."""
-    problems: list[str] = []
-    root = dict(root)
-    root.pop("hydra", None)
-    known_top = {
-        "hierarchy", "method", "dataset", "mode", "lookahead", "max_new_tokens", "n_prompts",
-        "seed", "transport", "decode", "run", "sampling",
-    }  # fmt: skip
-    for key in sorted(set(root) - known_top):
-        problems.append(f"{key}: unknown top-level key (known: {', '.join(sorted(known_top))})")
+def load_config(cfg) -> AppConfig:
+    """The composed Hydra tree (a DictConfig on ``app_schema``) as typed, validated config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    h = dict(root.get("hierarchy") or {})
-    stages_raw = h.pop("stages", None) or []
-    stages = []
-    for i, s in enumerate(stages_raw):
-        st = _build(StageConfig, s, f"hierarchy.stages[{i}]", problems)
-        if st is not None:
-            stages.append(st)
-    tok = _build(TokenizerConfig, h.pop("tokenizer", None), "hierarchy.tokenizer", problems)
-    tiny = _build(TinyBaseConfig, h.pop("tiny", None), "hierarchy.tiny", problems)
-    hier = _build(
-        HierarchyConfig,
-        {**h, "stages": tuple(stages), "tokenizer": tok, "tiny": tiny},
-        "hierarchy",
-        problems,
-    )
-
-    method = _build(MethodConfig, root.get("method"), "method", problems)
-    ds_node = dict(root.get("dataset") or {})
-    if "n_prompts" in root:
-        ds_node["n_prompts"] = root["n_prompts"]
-    ds_node.setdefault("seed", root.get("seed", 0))
-    dataset = _build(DatasetConfig, ds_node, "dataset", problems)
-
-    dec_node = dict(root.get("decode") or {})
-    for key in ("lookahead", "max_new_tokens"):
-        if key in root:
-            dec_node[key] = root[key]
-    decode = _build(DecodeConfig, dec_node, "decode", problems)
-
-    tr_node = root.get("transport", "auto")
-    tr_node = {"kind": tr_node} if isinstance(tr_node, str) else dict(tr_node)
-    transport = _build(TransportConfig, tr_node, "transport", problems)
-
-    run_node = dict(root.get("run") or {})
-    mode_node = root.get("mode")
-    if isinstance(mode_node, Mapping):
-        run_node.update(mode_node)
-    elif isinstance(mode_node, str):
-        run_node["mode"] = mode_node
-    if "seed" in root:
-        run_node["seed"] = root["seed"]
-    if "methods" in run_node:
-        run_node["methods"] = tuple(run_node["methods"])
-    run = _build(RunConfig, run_node, "run", problems)
-
-    samp_node = dict(root.get("sampling") or {})
-    samp_node.setdefault("seed", root.get("seed", 0))
-    sampling = _build(SamplingConfig, samp_node, "sampling", problems)
-
-    if None not in (hier, method, dataset, decode, transport, run, sampling):
-        cfg = AppConfig(hier, method, dataset, decode, transport, run, sampling)
-        problems.extend(validate(cfg))
+    try:
+        app = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:  # a required value left unset (``???``)
+        raise ConfigError([str(err).splitlines()[0] + f" ({err.full_key})"]) from None
+    problems = validate(app)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return app
+
+
+def compose_config(overrides: Sequence[str] = ()) -> AppConfig:
+    """What ``python -m pipespec_mpi OVERRIDES`` runs with (Hydra's compose API, conf/)."""
+    from hydra import compose, initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def validate(cfg: AppConfig) -> list[str]:
@@ -315,10 +283,10 @@ def validate(cfg: AppConfig) -> list[str]:
     if h.tokenizer.kind not in TOKENIZER_KINDS:
         p.append(f"hierarchy.tokenizer.kind={h.tokenizer.kind!r}: must be one of {TOKENIZER_KINDS}")
 
-    if cfg.method.name not in METHODS:
-        p.append(f"method.name={cfg.method.name!r}: must be one of {METHODS}")
+    if cfg.method not in METHODS:
+        p.append(f"method={cfg.method!r}: must be one of {METHODS}")
 
-    sd_needed = cfg.method.name == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
+    sd_needed = cfg.method == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
     p.extend(validate_decode(cfg.decode, sd_needed))
 
     ds = cfg.dataset
@@ -327,7 +295,7 @@ def validate(cfg: AppConfig) -> list[str]:
     if ds.name == "jsonl" and not ds.path:
         p.append("dataset.path: required for dataset=jsonl")
     if not _int(ds.n_prompts) or ds.n_prompts < 1:
-        p.append(f"n_prompts={ds.n_prompts}: must be an integer >= 1")
+        p.append(f"dataset.n_prompts={ds.n_prompts}: must be an integer >= 1")
     if ds.shard_count < 1 or not 0 <= ds.shard_index < ds.shard_count:
         p.append(
             f"dataset.shard_index={ds.shard_index}, dataset.shard_count={ds.shard_count}: "
@@ -338,7 +306,7 @@ def validate(cfg: AppConfig) -> list[str]:
 
     t = cfg.transport
     if t.kind not in TRANSPORTS:
-        p.append(f"transport={t.kind!r}: must be one of {TRANSPORTS}")
+        p.append(f"transport.kind={t.kind!r}: must be one of {TRANSPORTS}")
     if t.depth < 1 or t.max_msg_tokens < 1:
         p.append(f"transport.depth={t.depth}, max_msg_tokens={t.max_msg_tokens}: must be >= 1")
 
@@ -356,7 +324,7 @@ def validate(cfg: AppConfig) -> list[str]:
 
     r = cfg.run
     if r.mode not in MODES:
-        p.append(f"mode={r.mode!r}: must be one of {MODES}")
+        p.append(f"run.mode={r.mode!r}: must be one of {MODES}")
     for m in r.methods:
         if m not in METHODS:
             p.append(f"run.methods: {m!r} is not one of {METHODS}")
@@ -371,23 +339,23 @@ def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
     """The stage loop's settings: every problem, naming the keys and values."""
     p: list[str] = []
     if not _int(d.lookahead) or not 0 <= d.lookahead <= 64:
-        p.append(f"lookahead={d.lookahead}: must be an integer in 0..64")
+        p.append(f"decode.lookahead={d.lookahead}: must be an integer in 0..64")
     if not _int(d.max_new_tokens) or not 1 <= d.max_new_tokens <= 32768:
-        p.append(f"max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
+        p.append(f"decode.max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
     if not _int(d.max_verify) or d.max_verify < 1:
         p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
     if d.sd_window is not None and (not _int(d.sd_window) or not 1 <= d.sd_window <= 64):
-        p.append(f"decode.sd_window={d.sd_window}: must be null (= lookahead) or an integer in 1..64")
+        p.append(f"decode.sd_window={d.sd_window}: must be null (= decode.lookahead) or an integer in 1..64")
     windows = [w for w in (d.lookahead, d.sd_window) if _int(w)]
     if _int(d.max_verify) and windows and d.max_verify < max(windows):
-        p.append(f"decode.max_verify={d.max_verify}: must be >= lookahead={d.lookahead} "
-                 f"and sd_window={d.sd_window}")  # fmt: skip
+        p.append(f"decode.max_verify={d.max_verify}: must be >= decode.lookahead={d.lookahead} "
+                 f"and decode.sd_window={d.sd_window}")  # fmt: skip
     if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
-        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, lookahead={d.lookahead}, "
-                 f"sd_window={d.sd_window})")  # fmt: skip
+        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, decode.lookahead="
+                 f"{d.lookahead}, decode.sd_window={d.sd_window})")  # fmt: skip
     if sd_needed and d.sd_window is None and d.lookahead == 0:
         p.append(
-            "lookahead=0 with sd (method=sd or in mode=benchmark) and decode.sd_window=null: "
-            "synchronous SD verifies a fixed window: set decode.sd_window or lookahead >= 1"
+            "decode.lookahead=0 with sd (method=sd or in run.mode=benchmark) and decode.sd_window=null: "
+            "synchronous SD verifies a fixed window: set decode.sd_window or decode.lookahead >= 1"
         )
     return p

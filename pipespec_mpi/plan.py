@@ -33,6 +33,7 @@ token model), otherwise the hierarchy is skipped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -41,11 +42,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi import simulate as sim
-from pipespec_mpi.config import METHODS, DecodeConfig
+from pipespec_mpi.config import CONF_DIR, METHODS, DecodeConfig, StageConfig, compose_config
 from pipespec_mpi.simulate.calibration import calibrate, load_records
 from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "hierarchy"
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class PlanInputs:
     up_latency_s: float | None = None
     blocking_reads: bool = False
     hierarchy: str | None = None  # conf/hierarchy/<name>.yaml for the overrides
-    stage_defs: dict[str, dict] | None = None  # model name -> stage dict of that hierarchy
+    stage_defs: dict[str, StageConfig] | None = None  # model name -> its stage in that hierarchy
     source: str = ""
 
 
@@ -97,25 +96,16 @@ def _parse_pair(key: str) -> tuple[str, str]:
     return a, b
 
 
-def stage_defs_of(hierarchy: str | None) -> dict[str, dict] | None:
-    """Stage dicts by name from conf/hierarchy/<name>.yaml (following a 'defaults' parent)."""
-    if not hierarchy:
-        return None
-    import yaml
+def hierarchy_presets() -> list[str]:
+    """The options of the ``hierarchy`` config group (conf/hierarchy/)."""
+    return sorted(p.stem for p in (CONF_DIR / "hierarchy").glob("*.yaml"))
 
-    path = CONF_DIR / f"{hierarchy}.yaml"
-    if not path.exists():
+
+def stage_defs_of(hierarchy: str | None) -> dict[str, StageConfig] | None:
+    """The stages of a ``hierarchy`` preset by name, as the app composes them."""
+    if not hierarchy or hierarchy not in hierarchy_presets():
         return None
-    node = yaml.safe_load(path.read_text()) or {}
-    stages = node.get("stages")
-    if stages is None:
-        for d in node.get("defaults") or []:
-            if isinstance(d, str) and d != "_self_":
-                parent = stage_defs_of(d)
-                if parent is not None:
-                    return parent
-        return None
-    return {s["name"]: dict(s) for s in stages}
+    return {st.name: st for st in compose_config([f"hierarchy={hierarchy}"]).hierarchy.stages}
 
 
 def load_plan_config(path: str | Path) -> PlanInputs:
@@ -281,24 +271,35 @@ def _hydra_value(v) -> str:
     return str(v)
 
 
+def _stage_override(st: StageConfig) -> str:
+    """A stage as a Hydra dict: its name, kind and what differs from StageConfig's defaults."""
+    default = StageConfig(st.name, st.kind)
+    fields = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    keep = {k: v for k, v in fields.items() if k in ("name", "kind") or v != getattr(default, k)}
+    return "{" + ", ".join(f"{k}: {_hydra_value(v)}" for k, v in keep.items()) + "}"
+
+
 def matching_hierarchy(stage_names: Sequence[str]) -> str | None:
     """A conf/hierarchy preset whose stages are exactly these, in this order."""
-    for path in sorted(CONF_DIR.glob("*.yaml")):
-        defs = stage_defs_of(path.stem)
+    for name in hierarchy_presets():
+        defs = stage_defs_of(name)
         if defs is not None and list(defs) == list(stage_names):
-            return path.stem
+            return name
     return None
 
 
 def overrides(c: Candidate, inp: PlanInputs) -> str:
     """Hydra overrides reproducing a candidate: a hierarchy preset with exactly its stages if
-    there is one, else the configured hierarchy with its stage list replaced."""
+    there is one, else the configured hierarchy with its stage list replaced. The window is set
+    where each method reads it: ``decode.sd_window`` for SD, ``decode.lookahead`` for PipeSpec."""
     parts = [f"method={c.method}"]
-    if c.method != "ar":
-        parts.append(f"lookahead={c.lookahead}")
+    if c.method == "sd":
+        parts.append(f"decode.sd_window={c.lookahead}")
+    elif c.method == "pipespec":
+        parts.append(f"decode.lookahead={c.lookahead}")
     defs = inp.stage_defs
     if defs and all(m in defs for m in c.models):
-        preset = matching_hierarchy([defs[m].get("name", m) for m in c.models])
+        preset = matching_hierarchy([defs[m].name for m in c.models])
         if preset:
             return " ".join([f"hierarchy={preset}", *parts])
     if inp.hierarchy:
@@ -308,13 +309,13 @@ def overrides(c: Candidate, inp: PlanInputs) -> str:
         orig = list(defs)
         stages = []
         for m in c.models:
-            d = dict(defs[m])
-            if d.get("copy_of") is not None:
-                ref = orig[int(d["copy_of"])] if int(d["copy_of"]) < len(orig) else None
+            st = defs[m]
+            if st.copy_of is not None:
+                ref = orig[st.copy_of] if st.copy_of < len(orig) else None
                 if ref not in idx:
                     return " ".join(parts) + f"  # {m} copies {ref}, which is not in this hierarchy"
-                d["copy_of"] = idx[ref]
-            stages.append("{" + ", ".join(f"{k}: {_hydra_value(v)}" for k, v in d.items()) + "}")
+                st = replace(st, copy_of=idx[ref])
+            stages.append(_stage_override(st))
         parts.append("'hierarchy.stages=[" + ", ".join(stages) + "]'")
     return " ".join(parts)
 

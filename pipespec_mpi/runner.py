@@ -104,7 +104,7 @@ def sampler_for(cfg: AppConfig, job: Job) -> Sampler:
 
 def plan_jobs(cfg: AppConfig, prompts: list, pl: Placement, done: set[tuple[str, str, int]]) -> list[Job]:
     """This replica's jobs: its shard of the prompts, interleaving methods in benchmark mode."""
-    methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method.name]
+    methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method]
     mine = shard(shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas)
     jobs: list[Job] = []
     seq = 0
@@ -200,7 +200,7 @@ class Runner:
         )
         if self.transport in ("gloo", "nccl"):
             if self.transport == "nccl" and not torch.cuda.is_available():
-                raise RuntimeError("transport=nccl needs CUDA; use transport=mpi or gloo on CPUs")
+                raise RuntimeError("transport.kind=nccl needs CUDA; use transport.kind=mpi or gloo on CPUs")
             init_torch_distributed(self.world, self.transport, cfg.transport.iface)
 
         self.tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)

@@ -496,6 +496,7 @@ def simulate_record(
         look = max(1, look)  # the record's lookahead is SD's window
     decode = DecodeConfig(
         lookahead=look,
+        sd_window=None,  # the window is ``look`` for every method
         max_new_tokens=max(1, int(rec["n_new_tokens"])),
         max_run_ahead=int(rec.get("max_run_ahead") or max_run_ahead),
         max_verify=int(rec.get("max_verify") or max_verify),

@@ -80,10 +80,10 @@ class Acceptance:
 @dataclass(frozen=True)
 class SimConfig:
     """One simulated prompt: the method, the stage loop's own settings (``decode``; SD's window is
-    ``decode.lookahead`` unless ``decode.sd_window`` is set), and what the simulator adds."""
+    ``decode.sd_window``, or ``decode.lookahead`` when that is None), and what the simulator adds."""
 
     method: str = "pipespec"
-    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=128))
+    decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(max_new_tokens=128, sd_window=None))
     prompt_len: int = 0
     # per adjacent pair (i, i+1): delay of proposals i -> i+1 and of i+1's header seen by i
     # (and of i's header seen by i+1); a float applies to every pair. up_latency_s, when given,

@@ -178,7 +178,7 @@ def _paper_cfg(
     method: str, look: int, n: int, max_run_ahead: int, max_verify: int, latency_s: float
 ) -> SimConfig:
     decode = DecodeConfig(
-        lookahead=look, max_new_tokens=n, max_run_ahead=max_run_ahead, max_verify=max_verify
+        lookahead=look, sd_window=None, max_new_tokens=n, max_run_ahead=max_run_ahead, max_verify=max_verify
     )
     return SimConfig(method=method, decode=decode, latency_s=latency_s, include_prefill=False)
 

@@ -1,6 +1,6 @@
 """Greedy PipeSpec and SD must reproduce AR token for token, under real mpirun.
 
-Each launch runs the methods interleaved in one job (mode=benchmark), so every prompt is
+Each launch runs the methods interleaved in one job (run.mode=benchmark), so every prompt is
 decoded by all of them on the same ranks. The tiny hierarchy runs in float64, where batched and
 one-token forwards agree exactly, so equality is a fair test (see README for bf16/fp32).
 """
@@ -54,8 +54,8 @@ def _check_benchmark_json(run_dir, recs: list[dict], methods: list[str]) -> None
 def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_new, methods):
     recs = launch_ok(
         n,
-        [f"hierarchy={hier}", "mode=benchmark", f"mode.methods={methods}", f"lookahead={lookahead}",
-         f"transport={transport}", f"max_new_tokens={max_new}", "n_prompts=3"],
+        [f"hierarchy={hier}", "run.mode=benchmark", f"run.methods={methods}", f"decode.lookahead={lookahead}",
+         f"transport.kind={transport}", f"decode.max_new_tokens={max_new}", "dataset.n_prompts=3"],
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, methods.strip("[]").split(","))
@@ -75,12 +75,12 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
 
 def test_eos_stops_early_and_all_methods_agree(tmp_path):
     """Pick a byte the target emits early as EOS; every method must stop at the same place."""
-    base = ["hierarchy=tiny", "n_prompts=3", "max_new_tokens=40"]
+    base = ["hierarchy=tiny", "dataset.n_prompts=3", "decode.max_new_tokens=40"]
     first = launch_ok(3, [*base, "method=ar"], tmp_path / "probe")
     eos = first[0]["output_ids"][4]
     recs = launch_ok(
         3,
-        [*base, "mode=benchmark", "lookahead=3", f"hierarchy.tokenizer.eos_token_id={eos}"],
+        [*base, "run.mode=benchmark", "decode.lookahead=3", f"hierarchy.tokenizer.eos_token_id={eos}"],
         tmp_path / "eos",
     )
     _check_equal(recs, ["ar", "sd", "pipespec"])
@@ -96,8 +96,8 @@ def test_rma_epochs_window_is_lossless_too(tmp_path):
     methods = "[ar,sd,pipespec]"
     recs = launch_ok(
         3,
-        ["hierarchy=tiny", "mode=benchmark", f"mode.methods={methods}", "lookahead=2",
-         "max_new_tokens=40", "n_prompts=2", "run.epochs_window=rma"],
+        ["hierarchy=tiny", "run.mode=benchmark", f"run.methods={methods}", "decode.lookahead=2",
+         "decode.max_new_tokens=40", "dataset.n_prompts=2", "run.epochs_window=rma"],
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, ["ar", "sd", "pipespec"])
@@ -112,8 +112,9 @@ def test_the_slurm_sweep_configuration_never_stalls(tmp_path, attempt):
     methods = ["ar", "sd", "pipespec"]
     recs = launch_ok(
         3,
-        ["hierarchy=tiny", "dataset=synthetic", "n_prompts=12", "max_new_tokens=16", "lookahead=2",
-         "decode.max_run_ahead=8", "mode=benchmark", "run.stall_timeout_s=20", f"seed={attempt}"],
+        ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=12", "decode.max_new_tokens=16",
+         "decode.lookahead=2", "decode.max_run_ahead=8", "run.mode=benchmark", "run.stall_timeout_s=20",
+         f"dataset.seed={attempt}"],
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, methods)

@@ -14,12 +14,12 @@ import pytest
 from conftest import MPIRUN, ROOT, launch, launch_ok
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-TINY = ["hierarchy=tiny", "dataset=synthetic", "max_new_tokens=24"]
+TINY = ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=24"]
 
 
 def test_two_replicas_give_the_same_prompts_and_outputs_as_one(tmp_path):
-    one = launch_ok(3, [*TINY, "n_prompts=5"], tmp_path / "one")
-    two = launch_ok(6, [*TINY, "n_prompts=5"], tmp_path / "two")
+    one = launch_ok(3, [*TINY, "dataset.n_prompts=5"], tmp_path / "one")
+    two = launch_ok(6, [*TINY, "dataset.n_prompts=5"], tmp_path / "two")
     assert {r["replica"] for r in two} == {0, 1}
     as_map = lambda rs: {r["prompt_id"]: r["output_ids"] for r in rs}  # noqa: E731
     assert as_map(one) == as_map(two) and len(as_map(one)) == 5
@@ -29,7 +29,9 @@ def test_jsonl_dataset(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "def add(a, b):", "id": "add"}\n\n{"prompt": "Once upon a time"}\n')
     recs = launch_ok(
-        3, ["hierarchy=tiny", "dataset=jsonl", f"dataset.path={data}", "max_new_tokens=8"], tmp_path / "run"
+        3,
+        ["hierarchy=tiny", "dataset=jsonl", f"dataset.path={data}", "decode.max_new_tokens=8"],
+        tmp_path / "run",
     )
     assert sorted(r["prompt_id"] for r in recs) == ["1", "add"]
     first = next(r for r in recs if r["prompt_id"] == "add")
@@ -50,7 +52,7 @@ def _run_bg(overrides, run_dir, env=None):
 
 
 def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
-    args = [*TINY, "n_prompts=6", "max_new_tokens=200", "method=pipespec"]
+    args = [*TINY, "dataset.n_prompts=6", "decode.max_new_tokens=200", "method=pipespec"]
     full = {r["prompt_id"]: r["output_ids"] for r in launch_ok(3, args, tmp_path / "full")}
     run_dir = tmp_path / "killed"
     proc = _run_bg(args, run_dir)
@@ -71,7 +73,7 @@ def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
 @pytest.mark.parametrize("fault", ["raise@1", "kill@2", "hang@0"])
 def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
     t0 = time.time()
-    proc = launch(3, [*TINY, "n_prompts=4", "run.stall_timeout_s=8"], tmp_path,
+    proc = launch(3, [*TINY, "dataset.n_prompts=4", "run.stall_timeout_s=8"], tmp_path,
                   timeout=120, env={"PIPESPEC_INJECT_FAULT": fault})  # fmt: skip
     elapsed = time.time() - t0
     assert proc.returncode != 0
@@ -90,10 +92,10 @@ def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
     "n,overrides,needle",
     [
         (4, ["hierarchy=tiny"], "world size 4 is not a multiple of the hierarchy's 3 stages"),
-        (3, ["hierarchy=tiny", "lookahead=-2", "max_new_tokens=999999"], "lookahead=-2"),
+        (3, ["hierarchy=tiny", "decode.lookahead=-2", "decode.max_new_tokens=999999"], "decode.lookahead=-2"),
         (3, ["hierarchy=tiny", "+run.typo_key=1"], "typo_key"),
         (3, ["hierarchy=tiny", "dataset=jsonl", "dataset.path=/nonexistent.jsonl"], "no such file"),
-        (3, ["hierarchy=tiny", "dataset=synthetic", "max_new_tokens=4090"], "context of 4096"),
+        (3, ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=4090"], "context of 4096"),
         (2, ["hierarchy=llama3_8b_70b"], "not available offline"),
     ],
 )

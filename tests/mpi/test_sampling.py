@@ -24,9 +24,10 @@ def sample_pairs(
     recs = launch_ok(
         n,
         [f"hierarchy={hier}", "dataset=jsonl", f"dataset.path={jsonl}", "method=pipespec",
-         "max_new_tokens=6", "lookahead=2", f"sampling.temperature={temperature}", f"sampling.top_p={top_p}",
+         "decode.max_new_tokens=6", "decode.lookahead=2", f"sampling.temperature={temperature}",
+         f"sampling.top_p={top_p}",
          f"sampling.top_k={top_k}", f"sampling.coupling={coupling}",
-         f"sampling.num_samples={N}", "seed=7"],
+         f"sampling.num_samples={N}", "sampling.seed=7"],
         tmp / "run",
         timeout=600,
     )  # fmt: skip
@@ -52,8 +53,8 @@ def test_pipespec_samples_follow_the_target_distribution(
 
 
 def test_gumbel_sampling_is_reproducible_and_identical_across_methods(tmp_path):
-    args = ["hierarchy=tiny", "dataset=synthetic", "n_prompts=2", "max_new_tokens=20",
-            "mode=benchmark", "lookahead=2", "sampling.temperature=0.8", "sampling.top_k=20",
+    args = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=2", "decode.max_new_tokens=20",
+            "run.mode=benchmark", "decode.lookahead=2", "sampling.temperature=0.8", "sampling.top_k=20",
             "sampling.num_samples=2", "sampling.coupling=gumbel"]  # fmt: skip
     a = outputs_by_method(launch_ok(3, args, tmp_path / "a"))
     b = outputs_by_method(launch_ok(3, args, tmp_path / "b"))
@@ -62,8 +63,8 @@ def test_gumbel_sampling_is_reproducible_and_identical_across_methods(tmp_path):
 
 
 def test_leviathan_ar_is_reproducible_and_distributions_travel(tmp_path):
-    args = ["hierarchy=tiny", "dataset=synthetic", "n_prompts=2", "max_new_tokens=20",
-            "mode=benchmark", "lookahead=2", "sampling.temperature=0.8",
+    args = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=2", "decode.max_new_tokens=20",
+            "run.mode=benchmark", "decode.lookahead=2", "sampling.temperature=0.8",
             "sampling.num_samples=2"]  # fmt: skip
     ra, rb = launch_ok(3, args, tmp_path / "a"), launch_ok(3, args, tmp_path / "b")
     assert outputs_by_method(ra)["ar"] == outputs_by_method(rb)["ar"]

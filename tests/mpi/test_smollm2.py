@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 def test_default_hierarchy_is_lossless_and_matches_generate(tmp_path, dataset):
     recs = launch_ok(
         3,
-        ["hierarchy=smollm2", f"dataset={dataset}", "mode=benchmark", "mode.methods=[ar,pipespec]",
-         "mode.warmup_prompts=0", "n_prompts=2", "max_new_tokens=24"],
+        ["hierarchy=smollm2", f"dataset={dataset}", "run.mode=benchmark", "run.methods=[ar,pipespec]",
+         "run.warmup_prompts=0", "dataset.n_prompts=2", "decode.max_new_tokens=24"],
         tmp_path,
         timeout=600,
     )  # fmt: skip

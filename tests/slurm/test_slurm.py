@@ -173,7 +173,7 @@ def in_queue(job_id: str) -> bool:
 
 
 APP = [
-    "hierarchy=tiny", "dataset=synthetic", "n_prompts=2", "max_new_tokens=16",
+    "hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=2", "decode.max_new_tokens=16",
     "run.progress=false", "run.stall_timeout_s=60",
 ]  # fmt: skip
 SBATCH = ["--time=5"]  # minutes: Slurm itself ends a job that hangs
@@ -187,7 +187,7 @@ class Sweep:
     def __init__(self, sweep_dir: Path, log: Path) -> None:
         self.dir, self.log = sweep_dir, log
         cmd = [sys.executable, "-m", "pipespec_mpi", "-m", "hydra/launcher=submitit_slurm",
-               *APP, "lookahead=0,2", f"hydra.sweep.dir={sweep_dir}",
+               *APP, "decode.lookahead=0,2", f"hydra.sweep.dir={sweep_dir}",
                "hydra.launcher.timeout_min=5"]  # fmt: skip
         with open(log, "w") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=f, stderr=subprocess.STDOUT)

@@ -44,7 +44,10 @@ def test_rate_increases_with_alpha(alpha, d, gamma):
 
 @given(alphas, int_gammas)
 def test_rate_increases_with_the_window(alpha, gamma):
-    assert an.pipespec_tokens_per_step(alpha, gamma + 1) >= an.pipespec_tokens_per_step(alpha, gamma)
+    # non-decreasing; once alpha^(gamma+1) is below double precision the two are equal up to the
+    # last bit (alpha=0.524, gamma=55: ...6792 vs ...6794)
+    wider, narrower = an.pipespec_tokens_per_step(alpha, gamma + 1), an.pipespec_tokens_per_step(alpha, gamma)
+    assert wider >= narrower or wider == pytest.approx(narrower, rel=1e-15)
 
 
 @given(int_gammas, ratios)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -61,11 +62,12 @@ def test_every_method_gets_a_best_configuration(inputs):
 
 def test_overrides_are_hydra_ready(inputs):
     c = plan.Candidate("pipespec", ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L"), 2, 5.0, 2.0)
-    assert plan.overrides(c, inputs) == "hierarchy=tiny method=pipespec lookahead=2"
+    assert plan.overrides(c, inputs) == "hierarchy=tiny method=pipespec decode.lookahead=2"
     c = plan.Candidate("sd", ("tiny-mid-3L", "tiny-target-4L"), 4, 5.0, 2.0)
-    o = plan.overrides(c, inputs)
-    assert o.startswith("hierarchy=tiny method=sd lookahead=4 'hierarchy.stages=[{name: tiny-mid-3L")
-    assert "layers: 3" in o and o.endswith("}]'")
+    o = plan.overrides(c, inputs)  # SD's window is decode.sd_window
+    assert o.startswith("hierarchy=tiny method=sd decode.sd_window=4 'hierarchy.stages=[{name: tiny-mid-3L")
+    assert "layers: 3" in o and "noise: 0.05" in o and o.endswith("}]'")
+    assert "flat_linear" not in o  # only what differs from a stage's defaults
 
 
 def test_overrides_name_a_matching_preset():
@@ -78,7 +80,7 @@ def test_overrides_name_a_matching_preset():
 def test_overrides_remap_copy_of():
     rename = {"smollm2-135m-int8": "my-int8"}  # so that the candidate matches no preset
     defs = {
-        rename.get(k, k): {**v, "name": rename.get(k, k)} for k, v in plan.stage_defs_of("smollm2").items()
+        rename.get(k, k): replace(v, name=rename.get(k, k)) for k, v in plan.stage_defs_of("smollm2").items()
     }
     inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2", stage_defs=defs)
     c = plan.Candidate("pipespec", ("my-int8", "smollm2-135m"), 0, 1.0, 1.0)

@@ -85,8 +85,8 @@ def run_b() -> list[dict]:
 def sweep(tmp_path: Path) -> Path:
     """A fake multirun dir: 0 = run A, 1 = run B, 2 = a failed job without results."""
     multi = tmp_path / "multirun" / "12-00-00"
-    write_run(multi / "0", run_a(), ["lookahead=2"])
-    write_run(multi / "1", run_b(), ["method=pipespec", "lookahead=4"])
+    write_run(multi / "0", run_a(), ["decode.lookahead=2"])
+    write_run(multi / "1", run_b(), ["method=pipespec", "decode.lookahead=4"])
     (multi / "2").mkdir()
     (multi / "multirun.yaml").write_text("hydra: {}\n")
     return multi
@@ -100,7 +100,7 @@ def test_table_known_answers(sweep: Path) -> None:
     runs = report.find_runs([sweep])
     assert [r.path.name for r in runs] == ["0", "1"]
     assert [r.label for r in runs] == ["12-00-00/0", "12-00-00/1"]
-    assert runs[1].overrides == ["method=pipespec", "lookahead=4"]
+    assert runs[1].overrides == ["method=pipespec", "decode.lookahead=4"]
     rows = report.table_rows(runs)
     assert [(r["method"], r["lookahead"]) for r in rows] == [("ar", None), ("pipespec", 2),
                                                              ("pipespec", 4)]  # fmt: skip
@@ -191,7 +191,7 @@ def test_main_writes_table_json_and_pngs(sweep: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     assert report.main([str(sweep)]) == 0
     out = capsys.readouterr()
-    assert "ms/token" in out.out and "12-00-00/1: " in out.out and "[lookahead=2]" in out.out
+    assert "ms/token" in out.out and "12-00-00/1: " in out.out and "[decode.lookahead=2]" in out.out
     for name in ("accepted_hist.png", "timeline.png", "busy_fraction.png"):
         assert _is_png(sweep / "0" / name), name
         assert _is_png(sweep / "1" / name), name
@@ -233,7 +233,7 @@ def _mpirun(args: list[str], timeout: float = 150) -> None:
 def test_report_on_a_real_benchmark_run(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     run_dir = tmp_path / "bench"
-    _mpirun(["mode=benchmark", "lookahead=2", "n_prompts=1", "max_new_tokens=16",
+    _mpirun(["run.mode=benchmark", "decode.lookahead=2", "dataset.n_prompts=1", "decode.max_new_tokens=16",
              f"hydra.run.dir={run_dir}"])  # fmt: skip
     assert report.main([str(run_dir)]) == 0
     out = capsys.readouterr().out
@@ -253,8 +253,8 @@ def test_report_on_a_real_benchmark_run(tmp_path: Path, capsys) -> None:
 def test_report_on_a_real_multirun_sweep(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     multi = tmp_path / "multirun"
-    _mpirun(["-m", "method=ar,pipespec", "lookahead=1,2", "n_prompts=1", "max_new_tokens=16",
-             f"hydra.sweep.dir={multi}"], timeout=200)  # fmt: skip
+    _mpirun(["-m", "method=ar,pipespec", "decode.lookahead=1,2", "dataset.n_prompts=1",
+             "decode.max_new_tokens=16", f"hydra.sweep.dir={multi}"], timeout=200)  # fmt: skip
     assert report.main(["--json", str(multi)]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted((r["method"], r["lookahead"]) for r in rows) == [

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 from sampling_stats import EOS, PROMPT_IDS, N, chi_square, exact_joint
 
-from pipespec_mpi.config import DecodeConfig, load_config
+from pipespec_mpi.config import DecodeConfig, compose_config
 from pipespec_mpi.models.base import KVScorer
 from pipespec_mpi.models.loader import load_stage
 from pipespec_mpi.simulate.explore import Parts, Scenario, World
@@ -23,9 +20,7 @@ pytestmark = pytest.mark.slow
 
 def tiny_parts(wrap=None) -> Parts:
     """The tiny hierarchy's three models (weights built once, a fresh KV cache per call)."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = load_config(OmegaConf.to_container(compose(config_name="config", overrides=["hierarchy=tiny"])))
-    hier = cfg.hierarchy
+    hier = compose_config(["hierarchy=tiny"]).hierarchy
     scorers = [load_stage(hier, i, []) for i in range(hier.n_stages)]
 
     def model(i: int) -> KVScorer:
