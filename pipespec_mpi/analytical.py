@@ -108,11 +108,6 @@ def sd_tokens_per_target_time(alpha: float, gamma: float, c: float) -> float:
     return geometric_sum(alpha, gamma) / (gamma / c + 1.0)
 
 
-def pipespec_speedup_bound(alpha: float, gamma: float) -> float:
-    """The paper's PipeSpec rate relative to AR (tokens per target step, AR = 1): E[N]."""
-    return pipespec_tokens_per_step(alpha, gamma)
-
-
 def alpha_from_mean_committed(mean_committed: float, gamma: float, tol: float = 1e-12) -> float:
     """Invert S: the i.i.d. acceptance rate for which a ``gamma``-token verification commits
     ``mean_committed`` tokens on average (bisection; S is increasing in alpha)."""
