@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--blocking-reads",
         choices=["yes", "no"],
         default=None,
-        help="header reads wait for a computing stage (default: yes for --from, else no)",
+        help="header reads wait for a computing stage, as with run.epochs_window=rma (default: no)",
     )
     ap.add_argument("--top", type=int, default=3, help="configurations shown per method")
     ap.add_argument("--json", action="store_true")

@@ -148,8 +148,9 @@ class EpochWindow:
 class SharedEpochWindow:
     """Node-local epochs window: direct loads from the owner's shared segment, never blocking.
 
-    Every rank of ``node_comm`` must construct (and free) it together; ``world_ranks`` maps the
-    world ranks that will be read to their rank in ``node_comm``.
+    Every rank of ``node_comm`` must construct (and free) it together, each passing its own
+    ``world_rank``: the ranks gather them, so that ``header(rank)`` and ``snapshot(rank)`` take world
+    ranks (each one's segment is found by its rank in ``node_comm``).
     """
 
     def __init__(self, node_comm, max_tokens: int, world_rank: int) -> None:
