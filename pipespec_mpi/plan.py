@@ -223,8 +223,8 @@ def evaluate(
     sd_windows: Sequence[int] = (1, 2, 3, 4, 6, 8),
     n_tokens: int = 128,
     seeds: Sequence[int] = (0, 1, 2),
-    max_run_ahead: int = 16,
-    max_verify: int = 16,
+    max_run_ahead: int = DecodeConfig.max_run_ahead,
+    max_verify: int = DecodeConfig.max_verify,
     transitive: bool = False,
 ) -> list[Candidate]:
     """Every candidate, with its predicted ms/token and speedup over AR of the target."""
@@ -347,8 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sd-windows", default="1,2,3,4,6,8", help="SD windows to try")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per simulated prompt")
     ap.add_argument("--seeds", type=int, default=3, help="simulations per candidate")
-    ap.add_argument("--max-run-ahead", type=int, default=16)
-    ap.add_argument("--max-verify", type=int, default=16)
+    ap.add_argument("--max-run-ahead", type=int, default=DecodeConfig.max_run_ahead)
+    ap.add_argument("--max-verify", type=int, default=DecodeConfig.max_verify)
     ap.add_argument("--transitive", action="store_true", help="estimate missing pair rates")
     ap.add_argument(
         "--blocking-reads",
