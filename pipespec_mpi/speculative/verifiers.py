@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pipespec_mpi.speculative.greedy import Verdict, verify_against
+from pipespec_mpi.speculative.greedy import Verdict, greedy_verify, verify_against
 from pipespec_mpi.speculative.sampling import Sampler, draw, mix, speculative_verify
 
 
@@ -71,7 +71,7 @@ class Greedy:
         return Drawn(int(torch.argmax(logits[-1])))
 
     def verify(self, proposal, dists, logits, position) -> Checked:
-        return Checked(verify_against(proposal, torch.argmax(logits, dim=-1)))
+        return Checked(greedy_verify(proposal, logits))
 
     def point_masses(self, tokens, vocab):
         return None
