@@ -15,8 +15,17 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
+from pipespec_mpi.records import (
+    BenchmarkRow,
+    MethodSummary,
+    PairAcceptance,
+    Record,
+    SpeedupPerPrompt,
+    StageSummary,
+)
 
-def acceptance(trace: Sequence[Sequence[int]]) -> dict:
+
+def acceptance(trace: Sequence[Sequence[int]]) -> PairAcceptance:
     """Acceptance statistics of one verifier from its [n_proposed, n_accepted] trace."""
     verifs = len(trace)
     accepted = sum(a for _, a in trace)
@@ -29,16 +38,16 @@ def acceptance(trace: Sequence[Sequence[int]]) -> dict:
     hist = [0] * (longest + 1)
     for _, a in trace:
         hist[a] += 1
-    return {
-        "verifications": verifs,
-        "proposed": proposed,
-        "accepted": accepted,
-        "mean_accepted": accepted / verifs if verifs else 0.0,
-        "mean_acceptance_length": 1 + accepted / verifs if verifs else 0.0,
-        "acceptance_rate": accepted / proposed if proposed else 0.0,
-        "per_position_acceptance": per_pos,
-        "accepted_histogram": hist,
-    }
+    return PairAcceptance(
+        verifications=verifs,
+        proposed=proposed,
+        accepted=accepted,
+        mean_accepted=accepted / verifs if verifs else 0.0,
+        mean_acceptance_length=1 + accepted / verifs if verifs else 0.0,
+        acceptance_rate=accepted / proposed if proposed else 0.0,
+        per_position_acceptance=per_pos,
+        accepted_histogram=hist,
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -62,59 +71,58 @@ def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
     return out
 
 
-def summarize(records: Iterable[dict]) -> dict:
+def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
     """summary.json: per method, aggregated over the (non-warm-up) records."""
-    by_method: dict[str, list[dict]] = {}
+    by_method: dict[str, list[Record]] = {}
     for r in records:
-        if not r.get("warmup"):
-            by_method.setdefault(r["method"], []).append(r)
+        if not r.warmup:
+            by_method.setdefault(r.method, []).append(r)
     out = {}
     for method, rs in by_method.items():
-        tokens = sum(r["n_new_tokens"] for r in rs)
-        wall = sum(r["wall_s"] for r in rs)
-        n_stages = len(rs[0]["stages"])
+        tokens = sum(r.n_new_tokens for r in rs)
+        wall = sum(r.wall_s for r in rs)
+        n_stages = len(rs[0].stages)
         pairs = {}
         for s in range(1, n_stages):
-            trace = [t for r in rs for t in r["stages"][s]["verify_trace"]]
+            trace = [t for r in rs for t in r.stages[s].verify_trace]
             pairs[f"{s - 1}->{s}"] = acceptance(trace)
         stages = []
         for s in range(n_stages):
-            st = [r["stages"][s] for r in rs]
-            stages.append({
-                "model": st[0]["model"],
-                "forward_calls": sum(x["forward_calls"] for x in st),
-                "rollbacks": sum(x["rollbacks"] for x in st),
-                "tokens_discarded": sum(x["tokens_discarded"] for x in st),
-                "discarded_s": sum(x["discarded_s"] for x in st),
-                "busy_fraction": sum(x["busy_s"] + x["prefill_s"] for x in st) / wall if wall else 0.0,
-            })  # fmt: skip
-        lat = [x for r in rs for x in token_latencies(r["stages"][-1]["commit_times"])]
-        energy = _energy(rs, tokens)
-        out[method] = {
-            "n_prompts": len(rs),
-            "n_tokens": tokens,
-            "wall_s": wall,
-            "ms_per_token": 1000 * wall / tokens if tokens else 0.0,
-            "tokens_per_s": tokens / wall if wall else 0.0,
-            "ttft_s_mean": statistics.fmean(r["ttft_s"] for r in rs),
-            "token_latency_ms": {f"p{q}": 1000 * percentile(lat, q) for q in (50, 90, 99)},
-            "acceptance": pairs,
-            "mean_accepted_per_verification": {k: v["mean_accepted"] for k, v in pairs.items()},
-            "stages": stages,
-            "peak_rss_mb": [max(r["stages"][s].get("peak_rss_mb", 0.0) for r in rs) for s in range(n_stages)],
-            **energy,
-        }
+            st = [r.stages[s] for r in rs]
+            stages.append(StageSummary(
+                model=st[0].model,
+                forward_calls=sum(x.forward_calls for x in st),
+                rollbacks=sum(x.rollbacks for x in st),
+                tokens_discarded=sum(x.tokens_discarded for x in st),
+                discarded_s=sum(x.discarded_s for x in st),
+                busy_fraction=sum(x.busy_s + x.prefill_s for x in st) / wall if wall else 0.0,
+            ))  # fmt: skip
+        lat = [x for r in rs for x in token_latencies(r.stages[-1].commit_times)]
+        out[method] = MethodSummary(
+            n_prompts=len(rs),
+            n_tokens=tokens,
+            wall_s=wall,
+            ms_per_token=1000 * wall / tokens if tokens else 0.0,
+            tokens_per_s=tokens / wall if wall else 0.0,
+            ttft_s_mean=statistics.fmean(r.ttft_s for r in rs),
+            token_latency_ms={f"p{q}": 1000 * percentile(lat, q) for q in (50, 90, 99)},
+            acceptance=pairs,
+            mean_accepted_per_verification={k: v.mean_accepted for k, v in pairs.items()},
+            stages=stages,
+            peak_rss_mb=[max(r.stages[s].peak_rss_mb for r in rs) for s in range(n_stages)],
+            **_energy(rs, tokens),
+        )
     return out
 
 
-def _energy(rs: list[dict], tokens: int) -> dict:
+def _energy(rs: list[Record], tokens: int) -> dict:
     """Energy per token from NVML samples (GPU runs only): per GPU (mean over the GPUs, as the
     paper's figure) and summed over the system."""
     per_gpu: dict[tuple[int, int], float] = {}
     for r in rs:
-        for st in r["stages"]:
-            for g in st.get("gpus") or []:
-                key = (st["rank"], g["device"])
+        for st in r.stages:
+            for g in st.gpus:
+                key = (st.rank, g["device"])
                 per_gpu[key] = per_gpu.get(key, 0.0) + g["energy_j"]
     if not per_gpu or not tokens:
         return {}
@@ -126,29 +134,35 @@ def _energy(rs: list[dict], tokens: int) -> dict:
     }
 
 
-def benchmark_table(records: Iterable[dict], methods: Sequence[str]) -> dict:
+def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[str, BenchmarkRow]:
     """benchmark.json: per method ms/token, tokens/s and speedup over ``ar`` (aggregate ratio,
     and median/min/max of per-prompt ratios over the prompts every method decoded)."""
-    rs = [r for r in records if not r.get("warmup")]
+    rs = [r for r in records if not r.warmup]
     summary = summarize(rs)
     per_prompt: dict[str, dict[str, float]] = {}
     for r in rs:
-        key = f"{r['replica']}:{r['prompt_id']}"
-        per_prompt.setdefault(key, {})[r["method"]] = r["ms_per_token"]
+        key = f"{r.replica}:{r.prompt_id}"
+        per_prompt.setdefault(key, {})[r.method] = r.ms_per_token
     out = {}
     for m in methods:
         if m not in summary:
             continue
-        row = {k: summary[m][k] for k in ("n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s")}
-        row["mean_accepted_per_verification"] = summary[m]["mean_accepted_per_verification"]
-        row["busy_fraction"] = [s["busy_fraction"] for s in summary[m]["stages"]]
+        s = summary[m]
+        row = BenchmarkRow(
+            n_prompts=s.n_prompts,
+            n_tokens=s.n_tokens,
+            wall_s=s.wall_s,
+            ms_per_token=s.ms_per_token,
+            tokens_per_s=s.tokens_per_s,
+            mean_accepted_per_verification=s.mean_accepted_per_verification,
+            busy_fraction=[st.busy_fraction for st in s.stages],
+        )
         if "ar" in summary:
-            row["speedup"] = summary["ar"]["ms_per_token"] / summary[m]["ms_per_token"]
+            row.speedup = summary["ar"].ms_per_token / s.ms_per_token
             ratios = [p["ar"] / p[m] for p in per_prompt.values() if "ar" in p and m in p and p[m] > 0]
             if ratios:
-                row["speedup_per_prompt"] = {
-                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                    "n": len(ratios),
-                }  # fmt: skip
+                row.speedup_per_prompt = SpeedupPerPrompt(
+                    median=statistics.median(ratios), min=min(ratios), max=max(ratios), n=len(ratios)
+                )
         out[m] = row
     return out

@@ -15,6 +15,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from pipespec_mpi.records import PairAcceptance, Record
+
 KIND_COLORS = {
     "prefill": "#7b3294",  # purple
     "draft": "#1f78b4",  # blue
@@ -57,14 +59,14 @@ def _row_label(row: Mapping, with_run: bool) -> str:
 
 
 def accepted_histogram(
-    acceptance: Mapping[str, Mapping[str, Mapping]],
+    acceptance: Mapping[str, Mapping[str, PairAcceptance]],
     rows: Sequence[Mapping],
     title: str,
     path: Path,
 ) -> Path | None:
     """Share of verifications that accepted 0, 1, 2, ... draft tokens: one panel per stage pair,
-    one bar per method. ``acceptance``: method -> pair -> ``metrics.acceptance`` dict."""
-    methods = [m for m, pairs in acceptance.items() if any(a["verifications"] for a in pairs.values())]
+    one bar per method. ``acceptance``: method -> pair -> ``metrics.acceptance``."""
+    methods = [m for m, pairs in acceptance.items() if any(a.verifications for a in pairs.values())]
     if not methods:
         return None
     pairs = list(dict.fromkeys(p for m in methods for p in acceptance[m]))
@@ -74,17 +76,17 @@ def accepted_histogram(
     axes = fig.subplots(1, len(pairs), squeeze=False)[0]
     width = 0.8 / len(methods)
     for ax, pair in zip(axes, pairs, strict=True):
-        longest = max(len(acceptance[m].get(pair, {}).get("accepted_histogram", [])) for m in methods)
+        longest = max(len(a.accepted_histogram) if (a := acceptance[m].get(pair)) else 0 for m in methods)
         for j, m in enumerate(methods):
             a = acceptance[m].get(pair)
-            if not a or not a["verifications"]:
+            if not a or not a.verifications:
                 continue
-            hist = a["accepted_histogram"]
+            hist = a.accepted_histogram
             xs = [k + (j - (len(methods) - 1) / 2) * width for k in range(len(hist))]
-            ys = [100 * h / a["verifications"] for h in hist]
+            ys = [100 * h / a.verifications for h in hist]
             label = (
-                f"{_method_label(by_method.get(m), m)}: {a['verifications']} verifications, "
-                f"mean {a['mean_accepted']:.2f}"
+                f"{_method_label(by_method.get(m), m)}: {a.verifications} verifications, "
+                f"mean {a.mean_accepted:.2f}"
             )
             ax.bar(xs, ys, width=width, color=METHOD_COLORS.get(m), label=label)
         i, k = (int(s) for s in pair.split("->"))
@@ -110,31 +112,29 @@ def accepted_histogram(
 # paper Figs. 2 / 5
 
 
-def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | None:
+def timeline(records: Mapping[str, Record], title: str, path: Path) -> Path | None:
     """Gantt chart of one prompt: one panel per method, one row per stage, bars by event kind;
     ticks on the last stage's row mark when tokens were committed."""
     if not records:
         return None
-    n_stages = [len(r["stages"]) for r in records.values()]
+    n_stages = [len(r.stages) for r in records.values()]
     fig = Figure(figsize=(11.0, 1.3 + sum(0.55 * n + 0.9 for n in n_stages)), layout="constrained")
     axes = fig.subplots(len(records), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": n_stages})[
         :, 0
     ]
     kinds_seen: set[str] = set()
     for ax, (method, rec) in zip(axes, records.items(), strict=True):
-        stages = rec["stages"]
+        stages = rec.stages
         for s, st in enumerate(stages):
             # waits first, compute on top (a wait may be logged up to the end of the next step)
-            for kind in sorted({e[2] for e in st.get("timeline", [])}, key=lambda k: k != "wait"):
-                spans = [
-                    (1000 * e[0], max(1000 * (e[1] - e[0]), 0.0)) for e in st["timeline"] if e[2] == kind
-                ]
+            for kind in sorted({e[2] for e in st.timeline}, key=lambda k: k != "wait"):
+                spans = [(1000 * e[0], max(1000 * (e[1] - e[0]), 0.0)) for e in st.timeline if e[2] == kind]
                 ax.broken_barh(
                     spans, (s - 0.38, 0.76), facecolors=KIND_COLORS.get(kind, "#999999"),
                     linewidth=0, zorder=1 if kind == "wait" else 2,
                 )  # fmt: skip
                 kinds_seen.add(kind)
-        commits = stages[-1].get("commit_times") or []
+        commits = stages[-1].commit_times
         if commits:
             ax.scatter(
                 [1000 * t for t, _ in commits], [len(stages) - 1 + 0.5] * len(commits),
@@ -142,16 +142,16 @@ def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | N
             )  # fmt: skip
         ax.set_yticks(range(len(stages)))
         ax.set_yticklabels(
-            [f"stage {st['stage']} (rank {st['rank']})\n{st['model']}" for st in stages],
+            [f"stage {st.stage} (rank {st.rank})\n{st.model}" for st in stages],
             fontsize=8,
         )
         ax.set_ylim(len(stages) - 0.35, -0.55)
         ax.grid(axis="x", alpha=0.3)
-        la = rec.get("lookahead")
+        la = rec.lookahead
         la_txt = "" if method == "ar" or la is None else f", lookahead {la}"
         ax.set_title(
-            f"{method}{la_txt}: {rec['n_new_tokens']} tokens in {1000 * rec['wall_s']:.0f} ms "
-            f"({rec['ms_per_token']:.1f} ms/token)",
+            f"{method}{la_txt}: {rec.n_new_tokens} tokens in {1000 * rec.wall_s:.0f} ms "
+            f"({rec.ms_per_token:.1f} ms/token)",
             fontsize=10, loc="left",
         )  # fmt: skip
     axes[-1].set_xlabel("time since the rank's prompt start (ms)")
@@ -160,7 +160,7 @@ def timeline(records: Mapping[str, Mapping], title: str, path: Path) -> Path | N
         Line2D([], [], marker="v", color="black", linestyle="", label="tokens committed (last stage)")
     )
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
-    prompt = next(iter(records.values()))["prompt_id"]
+    prompt = next(iter(records.values())).prompt_id
     fig.suptitle(f"Per-stage timeline of prompt {prompt} ({title})")
     return _save(fig, path)
 

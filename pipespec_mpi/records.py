@@ -1,21 +1,373 @@
-"""Reading ``results.jsonl``: one JSON record per (prompt, method, sample) and line."""
+"""The files of a run directory as types (README "Output contract").
+
+- ``Record``: one line of ``results.jsonl`` (and of ``parts/replica-<r>.jsonl``): one (prompt,
+  method, sample), with one ``StageStats`` per stage, as each stage sent it. ``read_records`` is
+  the one reader of these files; ``write_records`` writes one.
+- ``MethodSummary`` (``summary.json``, per method) and ``BenchmarkRow`` (``benchmark.json``, per
+  method), each written and read by one function.
+
+Reading is forward and backward compatible: keys a reader does not know are ignored, and fields
+that older runs did not write yet take their defaults. Anything else that does not fit (not JSON,
+not an object, a required field missing, a value of the wrong type) is a ``RecordError`` naming the
+file and the line, except a torn last line of a results file (a job killed mid-write), which is
+reported on stderr and skipped.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Any
+
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.stage.stats import StageStats
 
 RESULTS = "results.jsonl"
+SUMMARY = "summary.json"
+BENCHMARK = "benchmark.json"
 
 
-def read_records(path: Path) -> list[dict]:
-    """The records of a results file; a line cut short (a killed job) is reported and skipped."""
+class RecordError(UserError, ValueError):
+    """A run-directory file that does not hold what its format says (``line``: 1-based, or None
+    for a whole-file JSON document)."""
+
+    def __init__(self, path: str | Path, line: int | None, reason: str) -> None:
+        self.path, self.line, self.reason = Path(path), line, reason
+        super().__init__(f"{path}:{line}: {reason}" if line is not None else f"{path}: {reason}")
+
+
+class _Malformed(ValueError):
+    """What is wrong with one JSON value (turned into a ``RecordError`` with its place)."""
+
+
+# --------------------------------------------------------------------------------------------
+# results.jsonl
+
+
+@dataclass(kw_only=True)
+class Record:
+    """One line of results.jsonl. Field order is the order of the keys on disk."""
+
+    prompt_id: str
+    replica: int
+    method: str
+    warmup: bool  # benchmark warm-up: excluded from aggregates
+    sample_idx: int = 0
+    temperature: float = 0.0
+    coupling: str = "leviathan"
+    bytes_sent: list[int] = field(default_factory=list)  # per stage
+    seq: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated ids only, a final EOS included
+    text: str
+    n_new_tokens: int
+    finish_reason: str  # eos | length
+    wall_s: float  # prefill + decode, from the start barrier
+    ms_per_token: float
+    ttft_s: float
+    lookahead: int | None  # the window a verifier waits for under this method
+    max_run_ahead: int | None = None
+    max_verify: int | None = None
+    max_new_tokens: int
+    transport: str
+    hierarchy: str | None
+    models: list[str]
+    stages: list[StageStats]
+
+    def to_json(self) -> dict:
+        """The record as a JSON object (what one line of results.jsonl holds)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Record:
+        """The record of a decoded JSON line; ``_Malformed`` says what does not fit."""
+        return _load(cls, obj, "record", {"stages": _stage_list})
+
+    # For callers not yet ported to attributes (simulate/cli.py, plan.py): read-only dict access.
+    def __getitem__(self, key: str) -> Any:
+        if key not in _field_names(type(self)):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in _field_names(type(self)) else default
+
+
+def _stage_list(value: Any, where: str) -> list[StageStats]:
+    if not isinstance(value, list):
+        raise _Malformed(f"{where}: expected a list of stages, got {type(value).__name__}")
+    return [_load(StageStats, s, f"{where}[{i}]") for i, s in enumerate(value)]
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """The records of a results file (results.jsonl or a part), in file order; blank lines are
+    skipped. A line that is not a record raises ``RecordError`` (file and line), except a torn
+    last line (no final newline: a job killed mid-write), which is reported on stderr and skipped."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.split("\n")  # the last element is what follows the final newline ("" if complete)
     out = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"[pipespec_mpi] {path}:{i}: skipping a malformed line", file=sys.stderr)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            if i == len(lines):
+                print(f"[pipespec_mpi] {path}:{i}: skipping a torn last line (a job killed mid-write)",
+                      file=sys.stderr)  # fmt: skip
+                continue
+            raise RecordError(path, i, f"not JSON ({err.msg} at column {err.colno})") from None
+        try:
+            out.append(Record.from_json(obj))
+        except _Malformed as err:
+            raise RecordError(path, i, str(err)) from None
     return out
+
+
+def write_records(path: str | Path, records: Iterable[Record]) -> None:
+    """A results file: one record per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json()) + "\n")
+
+
+def drop_torn_tail(path: str | Path) -> bool:
+    """Before appending to a results file: end its last line, so the next record starts a line of
+    its own. A last line without its newline that is not JSON is torn (a job killed mid-write):
+    it is cut off (its job was not counted as done, so it runs again) and reported on stderr;
+    one that is whole only gets its newline. True when something was cut."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    keep = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[keep:])
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+        line = data.count(b"\n") + 1
+        print(f"[pipespec_mpi] {path}:{line}: dropping a torn last line (a job killed mid-write); "
+              "its job runs again", file=sys.stderr)  # fmt: skip
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+        return True
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# summary.json
+
+
+@dataclass
+class PairAcceptance:
+    """Acceptance at one adjacent stage pair (``metrics.acceptance``)."""
+
+    verifications: int
+    proposed: int
+    accepted: int
+    mean_accepted: float
+    mean_acceptance_length: float  # 1 + accepted / verifications
+    acceptance_rate: float
+    per_position_acceptance: list[float]
+    accepted_histogram: list[int]
+
+
+@dataclass
+class StageSummary:
+    model: str
+    forward_calls: int
+    rollbacks: int
+    tokens_discarded: int
+    discarded_s: float
+    busy_fraction: float
+
+
+@dataclass
+class MethodSummary:
+    """One method's entry of summary.json: aggregates over its non-warm-up records."""
+
+    n_prompts: int
+    n_tokens: int
+    wall_s: float
+    ms_per_token: float
+    tokens_per_s: float
+    ttft_s_mean: float
+    token_latency_ms: dict[str, float]  # p50, p90, p99
+    acceptance: dict[str, PairAcceptance]  # per pair "0->1", ...
+    mean_accepted_per_verification: dict[str, float]
+    stages: list[StageSummary]
+    peak_rss_mb: list[float] = field(default_factory=list)  # per stage
+    # GPU runs only (absent from the file otherwise)
+    energy_j_per_token_system: float | None = None
+    energy_j_per_token_per_gpu: float | None = None
+    n_gpus_measured: int | None = None
+
+    def to_json(self) -> dict:
+        return _without_none(dataclasses.asdict(self), ("energy_j_per_token_system",
+                             "energy_j_per_token_per_gpu", "n_gpus_measured"))  # fmt: skip
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "summary") -> MethodSummary:
+        def pairs(v: Any, w: str) -> dict[str, PairAcceptance]:
+            return {k: _load(PairAcceptance, a, f"{w}[{k!r}]") for k, a in _object(v, w).items()}
+
+        def stages(v: Any, w: str) -> list[StageSummary]:
+            return [_load(StageSummary, s, f"{w}[{i}]") for i, s in enumerate(_list(v, w))]
+
+        return _load(cls, obj, where, {"acceptance": pairs, "stages": stages})
+
+
+def write_summary(path: str | Path, summary: Mapping[str, MethodSummary]) -> None:
+    _write_doc(path, {m: s.to_json() for m, s in summary.items()})
+
+
+def read_summary(path: str | Path) -> dict[str, MethodSummary]:
+    return _read_doc(path, MethodSummary.from_json)
+
+
+# --------------------------------------------------------------------------------------------
+# benchmark.json
+
+
+@dataclass
+class SpeedupPerPrompt:
+    """Per-prompt ratios of AR's ms/token over the method's, over prompts both decoded."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+
+@dataclass
+class BenchmarkRow:
+    """One method's entry of benchmark.json (``speedup``: only with an AR run)."""
+
+    n_prompts: int
+    n_tokens: int
+    wall_s: float
+    ms_per_token: float
+    tokens_per_s: float
+    mean_accepted_per_verification: dict[str, float]
+    busy_fraction: list[float]  # per stage
+    speedup: float | None = None
+    speedup_per_prompt: SpeedupPerPrompt | None = None
+
+    def to_json(self) -> dict:
+        return _without_none(dataclasses.asdict(self), ("speedup", "speedup_per_prompt"))
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "benchmark") -> BenchmarkRow:
+        def per_prompt(v: Any, w: str) -> SpeedupPerPrompt | None:
+            return None if v is None else _load(SpeedupPerPrompt, v, w)
+
+        return _load(cls, obj, where, {"speedup_per_prompt": per_prompt})
+
+
+def write_benchmark(path: str | Path, bench: Mapping[str, BenchmarkRow]) -> None:
+    _write_doc(path, {m: row.to_json() for m, row in bench.items()})
+
+
+def read_benchmark(path: str | Path) -> dict[str, BenchmarkRow]:
+    return _read_doc(path, BenchmarkRow.from_json)
+
+
+# --------------------------------------------------------------------------------------------
+# checking JSON against the dataclasses
+
+
+def _without_none(d: dict, keys: Iterable[str]) -> dict:
+    return {k: v for k, v in d.items() if not (k in keys and v is None)}
+
+
+def _write_doc(path: str | Path, doc: dict) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2))
+
+
+def _read_doc(path: str | Path, load: Callable[[Any, str], Any]) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise RecordError(path, err.lineno, f"not JSON ({err.msg} at column {err.colno})") from None
+    try:
+        return {m: load(v, repr(m)) for m, v in _object(doc, "the file").items()}
+    except _Malformed as err:
+        raise RecordError(path, None, str(err)) from None
+
+
+def _object(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise _Malformed(f"{where}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str) -> list:
+    if not isinstance(v, list):
+        raise _Malformed(f"{where}: expected a list, got {type(v).__name__}")
+    return v
+
+
+@cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+@cache
+def _schema(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
+    """(name, accepted JSON types, required) per field of a dataclass."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, _json_types(hints[f.name]), f.default is MISSING and f.default_factory is MISSING)
+        for f in dataclasses.fields(cls)
+    )
+
+
+_JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+               dict: "an object", type(None): "null"}  # fmt: skip
+
+
+def _json_types(hint: Any) -> tuple[type, ...]:
+    """The JSON value types a field annotation admits (the outer container only)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for a in typing.get_args(hint) for t in _json_types(a))
+    if hint is type(None):
+        return (type(None),)
+    if hint is float:
+        return (int, float)
+    if dataclasses.is_dataclass(hint):
+        return (dict,)
+    return (origin or hint,)
+
+
+def _load(cls: type, obj: Any, where: str, nested: Mapping[str, Callable[[Any, str], Any]] | None = None):
+    """A ``cls`` from a JSON object: required fields present, values of the annotated types
+    (``nested`` converts the fields it names), unknown keys ignored."""
+    obj = _object(obj, where)
+    kw = {}
+    for name, accepted, required in _schema(cls):
+        if name not in obj:
+            if required:
+                raise _Malformed(f"{where}: missing field {name!r}")
+            continue
+        v = obj[name]
+        if nested and name in nested:
+            v = nested[name](v, f"{where}.{name}")
+        elif not isinstance(v, accepted) or (isinstance(v, bool) and bool not in accepted):
+            shown = json.dumps(v)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            names = [_JSON_NAMES.get(t, t.__name__) for t in accepted if not (t is int and float in accepted)]
+            want = " or ".join(names)
+            raise _Malformed(f"{where}: {name}={shown} is not {want}")
+        kw[name] = v
+    return cls(**kw)

@@ -26,12 +26,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipespec_mpi import metrics
-from pipespec_mpi.records import RESULTS, read_records
+from pipespec_mpi.records import RESULTS, Record, RecordError, read_records
 
 METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
 
@@ -45,15 +45,15 @@ class Run:
     """One run directory: its records (warm-up included) and what Hydra saved about it."""
 
     path: Path
-    records: list[dict]
+    records: list[Record]
     config: dict = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
     multirun: Path | None = None  # the multirun dir this run was found in
     label: str = ""
 
     @property
-    def measured(self) -> list[dict]:
-        return [r for r in self.records if not r.get("warmup")]
+    def measured(self) -> list[Record]:
+        return [r for r in self.records if not r.warmup]
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,31 +146,31 @@ def method_key(m: str) -> tuple:
     return (METHOD_ORDER.get(m, len(METHOD_ORDER)), m)
 
 
-def target_of(records: Sequence[dict]) -> str:
-    return records[0]["models"][-1]
+def target_of(records: Sequence[Record]) -> str:
+    return records[0].models[-1]
 
 
-def ar_reference(run: Run, runs: Sequence[Run], target: str) -> tuple[list[dict], list[Run]]:
+def ar_reference(run: Run, runs: Sequence[Run], target: str) -> tuple[list[Record], list[Run]]:
     """AR records of ``target`` for speedups: the run's own, else those of the other runs
     (preferring runs over the same prompts and token budget), pooled."""
-    own = [r for r in run.measured if r["method"] == "ar" and r["models"][-1] == target]
+    own = [r for r in run.measured if r.method == "ar" and r.models[-1] == target]
     if own:
         return own, [run]
     cands = []
     for other in runs:
         if other is run:
             continue
-        recs = [r for r in other.measured if r["method"] == "ar" and r["models"][-1] == target]
+        recs = [r for r in other.measured if r.method == "ar" and r.models[-1] == target]
         if recs:
             cands.append((other, recs))
     if not cands:
         return [], []
 
-    def same_workload(recs: list[dict]) -> bool:
+    def same_workload(recs: list[Record]) -> bool:
         mine = run.measured
-        return {r["prompt_id"] for r in recs} == {r["prompt_id"] for r in mine} and {
-            r["max_new_tokens"] for r in recs
-        } == {r["max_new_tokens"] for r in mine}
+        return {r.prompt_id for r in recs} == {r.prompt_id for r in mine} and {
+            r.max_new_tokens for r in recs
+        } == {r.max_new_tokens for r in mine}
 
     best = [(o, recs) for o, recs in cands if same_workload(recs)] or cands
     return [r for _, recs in best for r in recs], [o for o, _ in best]
@@ -186,7 +186,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             continue
         summary = metrics.summarize(recs)
         for m in sorted(summary, key=method_key):
-            mine = [r for r in recs if r["method"] == m]
+            mine = [r for r in recs if r.method == m]
             target = target_of(mine)
             if m == "ar":
                 ref, ref_runs = mine, [run]
@@ -196,43 +196,44 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             bench = metrics.benchmark_table(mine if m == "ar" else mine + ref, [m])[m]
             s = summary[m]
             first = mine[0]
-            acc = s["acceptance"]
+            acc = s.acceptance
+            per_prompt = bench.speedup_per_prompt
             rows.append({
                 "run": run.label,
                 "run_dir": str(run.path),
                 "run_index": i,
                 "method": m,
-                "hierarchy": first.get("hierarchy"),
-                "models": [target] if m == "ar" else list(first["models"]),
-                "stage_models": list(first["models"]),
+                "hierarchy": first.hierarchy,
+                "models": [target] if m == "ar" else list(first.models),
+                "stage_models": list(first.models),
                 "target": target,
-                "lookahead": None if m == "ar" else first.get("lookahead"),
-                "max_new_tokens": first.get("max_new_tokens"),
-                "transport": first.get("transport"),
+                "lookahead": None if m == "ar" else first.lookahead,
+                "max_new_tokens": first.max_new_tokens,
+                "transport": first.transport,
                 "dataset": (run.config.get("dataset") or {}).get("name"),
                 "overrides": run.overrides,
-                "n_prompts": s["n_prompts"],
-                "n_tokens": s["n_tokens"],
-                "wall_s": s["wall_s"],
-                "ms_per_token": s["ms_per_token"],
-                "tokens_per_s": s["tokens_per_s"],
-                "speedup": bench.get("speedup"),
+                "n_prompts": s.n_prompts,
+                "n_tokens": s.n_tokens,
+                "wall_s": s.wall_s,
+                "ms_per_token": s.ms_per_token,
+                "tokens_per_s": s.tokens_per_s,
+                "speedup": bench.speedup,
                 "speedup_ref": (
                     None if not ref_runs
                     else "same run" if ref_runs == [run]
                     else [o.label for o in ref_runs]
                 ),
-                "speedup_per_prompt": bench.get("speedup_per_prompt"),
+                "speedup_per_prompt": asdict(per_prompt) if per_prompt is not None else None,
                 "mean_accepted_per_verification": {
-                    k: (v["mean_accepted"] if v["verifications"] else None) for k, v in acc.items()
+                    k: (v.mean_accepted if v.verifications else None) for k, v in acc.items()
                 },
-                "verifications": {k: v["verifications"] for k, v in acc.items()},
+                "verifications": {k: v.verifications for k, v in acc.items()},
                 "acceptance_rate": {
-                    k: (v["acceptance_rate"] if v["proposed"] else None) for k, v in acc.items()
+                    k: (v.acceptance_rate if v.proposed else None) for k, v in acc.items()
                 },
-                "busy_fraction": [st["busy_fraction"] for st in s["stages"]],
-                "ttft_s_mean": s["ttft_s_mean"],
-                "token_latency_ms": s["token_latency_ms"],
+                "busy_fraction": [st.busy_fraction for st in s.stages],
+                "ttft_s_mean": s.ttft_s_mean,
+                "token_latency_ms": s.token_latency_ms,
             })  # fmt: skip
     rows.sort(
         key=lambda r: (
@@ -335,29 +336,29 @@ def lookahead_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
 
 def ar_ms_per_token(runs: Sequence[Run]) -> dict[str, float]:
     """Pooled AR ms/token per target model over all the runs."""
-    by_target: dict[str, list[dict]] = {}
+    by_target: dict[str, list[Record]] = {}
     for run in runs:
         for r in run.measured:
-            if r["method"] == "ar":
-                by_target.setdefault(r["models"][-1], []).append(r)
-    return {t: metrics.summarize(rs)["ar"]["ms_per_token"] for t, rs in by_target.items()}
+            if r.method == "ar":
+                by_target.setdefault(r.models[-1], []).append(r)
+    return {t: metrics.summarize(rs)["ar"].ms_per_token for t, rs in by_target.items()}
 
 
-def timeline_records(run: Run, prompt_id: str | None = None) -> dict[str, dict]:
+def timeline_records(run: Run, prompt_id: str | None = None) -> dict[str, Record]:
     """One record per method for one prompt: ``prompt_id``, else the first measured prompt
     that every method of the run decoded (warm-up records only if nothing else)."""
     pool = run.measured or run.records
-    methods = sorted({r["method"] for r in pool}, key=method_key)
+    methods = sorted({r.method for r in pool}, key=method_key)
     if prompt_id is None:
         done: dict[str, set[str]] = {}
         for r in pool:
-            done.setdefault(r["prompt_id"], set()).add(r["method"])
+            done.setdefault(r.prompt_id, set()).add(r.method)
         full = [p for p, ms in done.items() if len(ms) == len(methods)]
-        prompt_id = full[0] if full else pool[0]["prompt_id"] if pool else None
-    out: dict[str, dict] = {}
+        prompt_id = full[0] if full else pool[0].prompt_id if pool else None
+    out: dict[str, Record] = {}
     for r in pool:
-        if r["prompt_id"] == prompt_id and r["method"] not in out:
-            out[r["method"]] = r
+        if r.prompt_id == prompt_id and r.method not in out:
+            out[r.method] = r
     return {m: out[m] for m in methods if m in out}
 
 
@@ -377,7 +378,7 @@ def write_plots(
             continue
         summary = metrics.summarize(recs)
         mine = [r for r in rows if r["run_index"] == i]
-        acc = {m: s["acceptance"] for m, s in summary.items() if m != "ar"}
+        acc = {m: s.acceptance for m, s in summary.items() if m != "ar"}
         written.append(
             plots.accepted_histogram(acc, mine, f"run {run.label}", run.path / "accepted_hist.png")
         )
@@ -419,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         runs = find_runs(args.run_dirs)
-    except (ReportError, OSError, json.JSONDecodeError) as err:
+    except (ReportError, RecordError, OSError) as err:
         print(f"[report] {err}", file=sys.stderr)
         return 2
     rows = table_rows(runs)

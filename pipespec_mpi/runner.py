@@ -3,18 +3,20 @@
 Data path: prompts (rank 0 loads and tokenizes, broadcasts) -> per prompt and method, driven by
 ``StageProcess`` (stage/process.py): reset the window header, the start gate (a non-blocking
 barrier of the replica), the stage loop, the stage stats to the replica's leader (its last stage)
--> one JSON line appended to ``parts/replica-<r>.jsonl`` -> at the end rank 0 merges the parts
-into ``results.jsonl`` and writes ``summary.json`` (and ``benchmark.json``).
+-> one ``Record`` (records.py) appended to ``parts/replica-<r>.jsonl`` -> at the end rank 0 merges
+the parts into ``results.jsonl`` and writes ``summary.json`` (and ``benchmark.json``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +29,23 @@ from pipespec_mpi.config import AppConfig
 from pipespec_mpi.data.datasets import DatasetError, load_prompts, shard
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
+from pipespec_mpi.records import (
+    BENCHMARK,
+    RESULTS,
+    SUMMARY,
+    BenchmarkRow,
+    Record,
+    drop_torn_tail,
+    read_records,
+    write_benchmark,
+    write_records,
+    write_summary,
+)
 from pipespec_mpi.speculative.sampling import Sampler, mix
 from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.stage.process import StageProcess, drive
-from pipespec_mpi.stage.stats import StageOutcome
+from pipespec_mpi.stage.stats import StageOutcome, StageStats
 from pipespec_mpi.topology import Placement, device_for, place
 
 log = logging.getLogger("pipespec_mpi")
@@ -153,17 +167,17 @@ class LeaderHandoff:
         self.on_record = on_record  # leader: (job, its outcome, every stage's stats) -> None
         self.req = None
         self.job = self.outcome = None
-        self.stats: list[dict | None] = []
+        self.stats: list[StageStats | None] = []
 
     def post(self, job, outcome: StageOutcome) -> None:
         outcome.stats.gpus = self.gpu_monitor.stop()
         outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if self.stage != self.leader:
-            self.req = self.comm.isend(outcome.stats.as_dict(), dest=self.leader, tag=STATS_TAG)
+            self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)
             return
         self.job, self.outcome = job, outcome
         self.stats = [None] * (self.leader + 1)
-        self.stats[self.leader] = outcome.stats.as_dict()
+        self.stats[self.leader] = outcome.stats
 
     def delivered(self) -> bool:
         if self.stage != self.leader:
@@ -322,70 +336,73 @@ class Runner:
         req = comm.Ibarrier()
         self._wait(lambda: req.Test(), what)
 
-    def _record(self, job: Job, outcome: StageOutcome, stats: list[dict]) -> dict:
+    def _record(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
         """The results line of one job, assembled by the replica's leader."""
-        pl = self.pl
+        cfg = self.cfg
         n = len(outcome.tokens)
         commits = outcome.stats.commit_times
         t_wall = outcome.wall_s
-        return {
-            "prompt_id": job.prompt_id,
-            "replica": pl.replica,
-            "method": job.method,
-            "warmup": job.warmup,
-            "sample_idx": job.sample_idx,
-            "temperature": self.cfg.sampling.temperature,
-            "coupling": self.cfg.sampling.coupling,
-            "bytes_sent": [s.get("bytes_sent", 0) for s in stats],
-            "seq": job.seq,
-            "prompt_ids": job.prompt_ids,
-            "output_ids": outcome.tokens,
-            "text": self.tokenizer.decode(outcome.tokens),
-            "n_new_tokens": n,
-            "finish_reason": outcome.finish_reason,
-            "wall_s": t_wall,
-            "ms_per_token": 1000 * t_wall / n if n else 0.0,
-            "ttft_s": commits[0][0] if commits else t_wall,
-            "lookahead": self.cfg.decode.window(job.method),
-            "max_run_ahead": self.cfg.decode.max_run_ahead,
-            "max_verify": self.cfg.decode.max_verify,
-            "max_new_tokens": self.cfg.decode.max_new_tokens,
-            "transport": self.transport,
-            "hierarchy": self.cfg.hierarchy.name,
-            "models": [s.name for s in self.cfg.hierarchy.stages],
-            "stages": stats,
-        }
+        return Record(
+            prompt_id=job.prompt_id,
+            replica=self.pl.replica,
+            method=job.method,
+            warmup=job.warmup,
+            sample_idx=job.sample_idx,
+            temperature=cfg.sampling.temperature,
+            coupling=cfg.sampling.coupling,
+            bytes_sent=[s.bytes_sent for s in stats],
+            seq=job.seq,
+            prompt_ids=job.prompt_ids,
+            output_ids=outcome.tokens,
+            text=self.tokenizer.decode(outcome.tokens),
+            n_new_tokens=n,
+            finish_reason=outcome.finish_reason,
+            wall_s=t_wall,
+            ms_per_token=1000 * t_wall / n if n else 0.0,
+            ttft_s=commits[0][0] if commits else t_wall,
+            lookahead=cfg.decode.window(job.method),
+            max_run_ahead=cfg.decode.max_run_ahead,
+            max_verify=cfg.decode.max_verify,
+            max_new_tokens=cfg.decode.max_new_tokens,
+            transport=self.transport,
+            hierarchy=cfg.hierarchy.name,
+            models=[s.name for s in cfg.hierarchy.stages],
+            stages=stats,
+        )
 
     # ------------------------------------------------------------------ the job
     def part_path(self, replica: int) -> Path:
         return self.run_dir / "parts" / f"replica-{replica}.jsonl"
 
-    def _done_jobs(self) -> set[tuple[str, str]]:
-        if not self.cfg.run.resume:
-            return set()
-        done = set()
-        for p in [
-            self.run_dir / "results.jsonl",
-            *sorted((self.run_dir / "parts").glob("*.jsonl")),
-        ]:
-            if p.exists():
-                for line in p.read_text().splitlines():
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line cut by a kill
-                    if not r.get("warmup"):
-                        done.add((r["prompt_id"], r["method"], r.get("sample_idx", 0)))
-        return done
+    def _done_jobs(self) -> set[tuple[str, str, int]]:
+        """What a resumed run already finished, read by rank 0 for every rank (an unreadable
+        results file is raised on every rank, reported once)."""
+        done = err = None
+        if self.world.rank == 0 and self.cfg.run.resume:
+            try:
+                done = set()
+                for p in [self.run_dir / RESULTS, *sorted((self.run_dir / "parts").glob("*.jsonl"))]:
+                    if p.exists():
+                        done.update(
+                            (r.prompt_id, r.method, r.sample_idx) for r in read_records(p) if not r.warmup
+                        )
+            except UserError as e:
+                err = e
+        done, err = self.comm.bcast((done, err), root=0)
+        if err is not None:
+            err.collective = True
+            raise err
+        return done or set()
 
     def run(self) -> None:
         self._load()
         self._connect()
-        done = self.comm.bcast(self._done_jobs() if self.world.rank == 0 else None, root=0)
+        done = self._done_jobs()
         jobs = plan_jobs(self.cfg, self.prompts, self.pl, done)
         part = None
         if self.pl.is_last:
             self.part_path(self.pl.replica).parent.mkdir(parents=True, exist_ok=True)
+            drop_torn_tail(self.part_path(self.pl.replica))  # a resumed run appends after a killed one
             part = open(self.part_path(self.pl.replica), "a", encoding="utf-8")  # noqa: SIM115
         bar = self._progress(len(jobs))
         index = {job.seq: i for i, job in enumerate(jobs)}
@@ -394,18 +411,18 @@ class Runner:
             maybe_fail(self.world.rank, index[job.seq])
             self.gpu_monitor.start()
 
-        def write(job: Job, outcome: StageOutcome, stats: list[dict]) -> None:
+        def write(job: Job, outcome: StageOutcome, stats: list[StageStats]) -> None:
             rec = self._record(job, outcome, stats)
-            part.write(json.dumps(rec) + "\n")
+            part.write(json.dumps(rec.to_json()) + "\n")
             part.flush()
             os.fsync(part.fileno())
             if bar is not None:
                 bar.update(1)
-                last = rec["stages"][-1]
-                acc = last["tokens_accepted"] / last["verifications"] if last["verifications"] else 0
+                last = rec.stages[-1]
+                acc = last.tokens_accepted / last.verifications if last.verifications else 0
                 bar.set_postfix(
                     method=job.method,
-                    tok_s=f"{rec['n_new_tokens'] / rec['wall_s']:.1f}",
+                    tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}",
                     accepted=f"{acc:.2f}",
                 )
 
@@ -460,41 +477,39 @@ class Runner:
         self.node_comm.Free()
 
     def _finalize(self) -> None:
-        records = []
-        for p in sorted((self.run_dir / "parts").glob("replica-*.jsonl")):
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    records.append(json.loads(line))
+        records = [
+            r for p in sorted((self.run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)
+        ]
         order = {pid: i for i, (pid, _, _) in enumerate(self.prompts)}
-        records.sort(key=lambda r: (r.get("warmup") is not True, order.get(r["prompt_id"], 0), r["seq"]))
-        with open(self.run_dir / "results.jsonl", "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        records.sort(key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
+        write_records(self.run_dir / RESULTS, records)
         summary = metrics.summarize(records)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_summary(self.run_dir / SUMMARY, summary)
         if self.cfg.run.mode == "benchmark":
             bench = metrics.benchmark_table(records, self.cfg.run.methods)
-            (self.run_dir / "benchmark.json").write_text(json.dumps(bench, indent=2))
+            write_benchmark(self.run_dir / BENCHMARK, bench)
             print(format_benchmark(bench), flush=True)
         else:
             for m, s in summary.items():
-                acc = {k: round(v, 2) for k, v in s["mean_accepted_per_verification"].items()}
+                acc = {k: round(v, 2) for k, v in s.mean_accepted_per_verification.items()}
                 print(
-                    f"[pipespec_mpi] {m}: {s['n_prompts']} prompts, {s['n_tokens']} tokens, "
-                    f"{s['ms_per_token']:.2f} ms/token, {s['tokens_per_s']:.1f} tokens/s, "
+                    f"[pipespec_mpi] {m}: {s.n_prompts} prompts, {s.n_tokens} tokens, "
+                    f"{s.ms_per_token:.2f} ms/token, {s.tokens_per_s:.1f} tokens/s, "
                     f"accepted/verification {acc}",
                     flush=True,
                 )
         print(f"[pipespec_mpi] results in {self.run_dir}", flush=True)
 
 
-def format_benchmark(bench: dict) -> str:
+def format_benchmark(bench: Mapping[str, BenchmarkRow]) -> str:
     lines = [f"{'method':<10}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"]
-    nan = float("nan")
+    nan = math.nan
     for m, row in bench.items():
-        pp = row.get("speedup_per_prompt", {})
+        pp = row.speedup_per_prompt
+        speedup = row.speedup if row.speedup is not None else nan
+        median, lo, hi = (pp.median, pp.min, pp.max) if pp is not None else (nan, nan, nan)
         lines.append(
-            f"{m:<10}{row['ms_per_token']:>10.2f}{row['tokens_per_s']:>10.1f}{row.get('speedup', nan):>9.2f}"
-            f"{pp.get('median', nan):>8.2f}{pp.get('min', nan):>7.2f}{pp.get('max', nan):>7.2f}"
+            f"{m:<10}{row.ms_per_token:>10.2f}{row.tokens_per_s:>10.1f}{speedup:>9.2f}"
+            f"{median:>8.2f}{lo:>7.2f}{hi:>7.2f}"
         )
     return "\n".join(lines)

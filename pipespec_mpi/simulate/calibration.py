@@ -18,37 +18,39 @@ from pathlib import Path
 
 from pipespec_mpi.analytical import alpha_from_trace
 from pipespec_mpi.config import METHODS, DecodeConfig
-from pipespec_mpi.records import read_records
+from pipespec_mpi.records import RESULTS, Record, read_records
 from pipespec_mpi.simulate.engine import SimResult, simulate
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
+from pipespec_mpi.stage.stats import StageStats
 
 _ACTIONS = ("draft", "verify", "own")
 
 
-def load_records(run_dir: str | Path) -> list[dict]:
+def load_records(run_dir: str | Path) -> list[Record]:
     """The run's non-warm-up records, in file order."""
-    path = Path(run_dir) / "results.jsonl"
+    path = Path(run_dir) / RESULTS
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no results.jsonl (is {run_dir} a run directory?)")
-    return [r for r in read_records(path) if not r.get("warmup")]
+        raise FileNotFoundError(f"{path}: no {RESULTS} (is {run_dir} a run directory?)")
+    return [r for r in read_records(path) if not r.warmup]
 
 
-def _events(stage_rec: dict) -> list[list]:
-    return sorted(stage_rec.get("timeline") or [], key=lambda e: (e[0], e[1]))
+def _events(stage_rec: StageStats) -> list[list]:
+    return sorted(stage_rec.timeline, key=lambda e: (e[0], e[1]))
 
 
-def _offsets(rec: dict) -> list[float] | None:
+def _offsets(rec: Record) -> list[float] | None:
     """Per stage: its timeline's start on the last stage's clock, from the records' absolute
-    ``t0_perf_counter`` (one clock for the processes of a node); None when a stage lacks it."""
-    t0 = [sr.get("t0_perf_counter") for sr in rec["stages"]]
-    if any(not isinstance(t, (int, float)) or t <= 0 for t in t0):
+    ``t0_perf_counter`` (one clock for the processes of a node); None when a stage lacks it
+    (older records: 0)."""
+    t0 = [sr.t0_perf_counter for sr in rec.stages]
+    if any(t <= 0 for t in t0):
         return None
     return [float(t) - float(t0[-1]) for t in t0]
 
 
-def _stage_events(rec: dict, stage: int) -> list[list]:
+def _stage_events(rec: Record, stage: int) -> list[list]:
     """A stage's timeline on the common clock (as recorded when the run has no common clock)."""
-    ev = _events(rec["stages"][stage])
+    ev = _events(rec.stages[stage])
     off = _offsets(rec)
     if not off or off[stage] == 0.0:
         return ev
@@ -65,7 +67,7 @@ def _lsq_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
 
 
-def fit_profile(stage_recs: Sequence[dict], name: str, kind: str = "model") -> LatencyProfile:
+def fit_profile(stage_recs: Sequence[StageStats], name: str, kind: str = "model") -> LatencyProfile:
     """A stage's latency profile from its timeline events across records.
 
     forward time: mean per number of tokens n, plus a context slope fitted within each n
@@ -125,18 +127,20 @@ def fit_profile(stage_recs: Sequence[dict], name: str, kind: str = "model") -> L
     )
 
 
-def _forwards(rec: dict, stage: int) -> list[tuple[float, float]]:
+def _forwards(rec: Record, stage: int) -> list[tuple[float, float]]:
     return [(e[0], e[1]) for e in _stage_events(rec, stage) if e[2] in _ACTIONS or e[2] == "prefill"]
 
 
-def overhead_samples(rec: dict, stage: int, blocking_reads: bool = False) -> tuple[list[float], list[float]]:
+def overhead_samples(
+    rec: Record, stage: int, blocking_reads: bool = False
+) -> tuple[list[float], list[float]]:
     """The loop's own cost after an action of a stage (publish, send, the next header read and
     decision), as (gaps to a next action, gaps to the start of a wait). With ``blocking_reads``
     (runs made with the old MPI RMA window, whose header read of a computing stage waited for its
     forward; the simulator models that wait separately) each gap is less the time a neighbour it
     reads spent in a forward meanwhile: every iteration reads the downstream; a stage that finds
     nothing to do also reads its upstream's idle flag before it starts waiting."""
-    st = rec["stages"]
+    st = rec.stages
     down: list[tuple[float, float]] = []
     both: list[tuple[float, float]] = []
     if blocking_reads:
@@ -165,20 +169,20 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _committed_series(rec: dict, stage: int) -> list[tuple[float, int]]:
+def _committed_series(rec: Record, stage: int) -> list[tuple[float, int]]:
     """(action end, committed length after it) for a stage, in time order."""
-    p = len(rec.get("prompt_ids") or [])
+    p = len(rec.prompt_ids)
     return [(e[1], int(e[4]) - p) for e in _stage_events(rec, stage) if e[2] in _ACTIONS]
 
 
-def _verify_bases(rec: dict, stage: int) -> list[tuple[list, int, int]]:
+def _verify_bases(rec: Record, stage: int) -> list[tuple[list, int, int]]:
     """(event, base position, n_accepted) for each verification of a stage, in order."""
-    p = len(rec.get("prompt_ids") or [])
-    cap = int(rec.get("n_new_tokens") or rec.get("max_new_tokens") or 10**9)
-    sr = rec["stages"][stage]
-    ver = [e for e in (sr.get("timeline") or []) if e[2] == "verify"]  # recording order
+    p = len(rec.prompt_ids)
+    cap = int(rec.n_new_tokens or rec.max_new_tokens or 10**9)
+    sr = rec.stages[stage]
+    ver = [e for e in sr.timeline if e[2] == "verify"]  # recording order
     out = []
-    for e, (_n, a) in zip(ver, sr.get("verify_trace") or []):
+    for e, (_n, a) in zip(ver, sr.verify_trace):
         after = int(e[4]) - p
         committed = int(a) + 1
         if after >= cap:  # the commit may have been cut at the cap
@@ -187,7 +191,7 @@ def _verify_bases(rec: dict, stage: int) -> list[tuple[list, int, int]]:
     return out
 
 
-def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
+def agreement_trace(rec: Record, stage: int) -> dict[int, bool]:
     """Pair (stage-1 -> stage): output position -> whether the drafter's token agreed with the
     verifier's, from the verifier's verifications (later verifications win) and, where those say
     nothing (the verifier's own token: a bonus after all it verified, or an own step), from what
@@ -204,12 +208,12 @@ def agreement_trace(rec: dict, stage: int) -> dict[int, bool]:
     return agree
 
 
-def _action_spans(rec: dict, stage: int) -> list[tuple[float, float, int, int]]:
+def _action_spans(rec: Record, stage: int) -> list[tuple[float, float, int, int]]:
     """(start, end, base, length after) of a stage's actions on the common clock."""
-    p = len(rec.get("prompt_ids") or [])
+    p = len(rec.prompt_ids)
     bases = {id(e): b for e, b, _ in _verify_bases(rec, stage)}
     out = []
-    for e in _events(rec["stages"][stage]):
+    for e in _events(rec.stages[stage]):
         if e[2] not in _ACTIONS or (e[2] == "verify" and id(e) not in bases):
             continue
         after = int(e[4]) - p
@@ -220,7 +224,7 @@ def _action_spans(rec: dict, stage: int) -> list[tuple[float, float, int, int]]:
     return [(t0 + d, t1 + d, b, n) for t0, t1, b, n in out]
 
 
-def _reactions(rec: dict, stage: int) -> dict[int, bool]:
+def _reactions(rec: Record, stage: int) -> dict[int, bool]:
     """The drafter's (stage-1) token at the position of the verifier's own token, judged by what
     the drafter did next. A drafter that was beyond that position and next works from right after
     it had adopted the verifier's token there: they disagreed; one that works further on agreed.
@@ -231,10 +235,10 @@ def _reactions(rec: dict, stage: int) -> dict[int, bool]:
     up_ends = [t1 for _, t1, _, _ in ups]
     up_starts = [t0 for t0, _, _, _ in ups]
     accepted = {id(e): (b, a) for e, b, a in _verify_bases(rec, stage)}
-    p = len(rec.get("prompt_ids") or [])
+    p = len(rec.prompt_ids)
     off = _offsets(rec)[stage]
     out: dict[int, bool] = {}
-    for e in _events(rec["stages"][stage]):
+    for e in _events(rec.stages[stage]):
         if e[2] == "own":
             own_pos = int(e[4]) - p - 1
         elif e[2] == "verify" and id(e) in accepted and accepted[id(e)][1] == int(e[3]):
@@ -255,14 +259,14 @@ def _reactions(rec: dict, stage: int) -> dict[int, bool]:
     return out
 
 
-def lookup_trace(rec: dict) -> dict[int, int]:
+def lookup_trace(rec: Record) -> dict[int, int]:
     """A lookup stage 0's hits and misses by position: base position -> the longest proposal it
     drafted from there, or 0 where the next stage took a step of its own from there (its
     upstream was idle: the lookup found no continuation) and the lookup never drafted from it."""
-    st = rec["stages"]
+    st = rec.stages
     if len(st) < 2:
         return {}
-    p = len(rec.get("prompt_ids") or [])
+    p = len(rec.prompt_ids)
     seen: dict[int, int] = {}
     for e in _events(st[0]):
         if e[2] == "draft":
@@ -274,17 +278,17 @@ def lookup_trace(rec: dict) -> dict[int, int]:
     return seen
 
 
-def _lookup_chain_rate(recs: Sequence[dict]) -> float | None:
+def _lookup_chain_rate(recs: Sequence[Record]) -> float | None:
     """How often a lookup stage 0 that had room after a proposal found a continuation of it (its
     next draft starts where the proposal ended, before it adopted anything); None without a
     common clock (the room depends on the downstream's length at that moment)."""
     chained = tried = 0
     for rec in recs:
-        if _offsets(rec) is None or len(rec["stages"]) < 2 or rec.get("method") != "pipespec":
+        if _offsets(rec) is None or len(rec.stages) < 2 or rec.method != "pipespec":
             return None  # (SD: the drafter proposes only what the verifier asks for)
-        p = len(rec.get("prompt_ids") or [])
-        cap = int(rec.get("n_new_tokens") or 0)
-        bound = int(rec.get("max_run_ahead") or 16)
+        p = len(rec.prompt_ids)
+        cap = rec.n_new_tokens
+        bound = rec.max_run_ahead or 16
         down = _committed_series(rec, 1)
         down_t = [t for t, _ in down]
         dr = [e for e in _stage_events(rec, 0) if e[2] == "draft"]
@@ -317,7 +321,7 @@ def _crossing(series: list[tuple[float, int]], length: int, before: float) -> fl
 _CLOCK_SLACK_S = 0.01  # the most two ranks' barrier exits are assumed apart (records without a clock)
 
 
-def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[float], list[float]]:
+def latency_samples(rec: Record, pair: int, offset_s: float = 0.0) -> tuple[list[float], list[float]]:
     """Delays observed across pair (pair -> pair+1) in one record, as (down, up), each measured
     on two ranks' clocks: the common one when the records carry ``t0_perf_counter``, else each
     rank's own, stage pair+1's shifted by ``offset_s`` (see ``calibrate``).
@@ -332,16 +336,16 @@ def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[f
     """
     down: list[float] = []
     up: list[float] = []
-    look = int(rec.get("lookahead") or 0)
-    method = rec.get("method")
-    p = len(rec.get("prompt_ids") or [])
+    look = rec.lookahead or 0
+    method = rec.method
+    p = len(rec.prompt_ids)
     ups = _committed_series(rec, pair)
     up_ends = [t for t, _ in ups]
     bases = _verify_bases(rec, pair + 1)
     starts = {id(e): b for e, b, _ in bases}
     off = _offsets(rec)
     dv = off[pair + 1] if off else offset_s
-    ev = _events(rec["stages"][pair + 1])
+    ev = _events(rec.stages[pair + 1])
     for w, v in zip(ev, ev[1:]):
         if w[2] != "wait" or v[2] != "verify" or id(v) not in starts:
             continue
@@ -363,7 +367,7 @@ def latency_samples(rec: dict, pair: int, offset_s: float = 0.0) -> tuple[list[f
     acts = [[e[0] + dv, e[1] + dv, *e[2:]] for e in ev if e[2] in ("verify", "own")]
     # SD with a stage after the verifier: the verifier asks for more only while its own
     # downstream still wants tokens; otherwise the drafter waits for that stage, not for a header
-    demand = _committed_series(rec, 2) if method == "sd" and len(rec["stages"]) > 2 else None
+    demand = _committed_series(rec, 2) if method == "sd" and len(rec.stages) > 2 else None
     for k, v in enumerate(acts):
         length = int(v[4]) - p
         if demand is not None:
@@ -399,27 +403,27 @@ class Calibration:
     up_latency_s: tuple[float, ...]
 
 
-def _pooled_rate(recs: Sequence[dict], stage: int) -> float:
-    trace = [t for r in recs for t in (r["stages"][stage].get("verify_trace") or [])]
+def _pooled_rate(recs: Sequence[Record], stage: int) -> float:
+    trace = [t for r in recs for t in r.stages[stage].verify_trace]
     return alpha_from_trace(trace)
 
 
-def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration:
+def calibrate(recs: Sequence[Record], blocking_reads: bool = False) -> Calibration:
     """Fit profiles, per-pair acceptance and latencies from records of one method
     (``blocking_reads``: the records come from a pipeline whose header reads blocked)."""
     if not recs:
         raise ValueError("no records to calibrate from")
-    method = recs[0]["method"]
-    k = len(recs[0]["stages"])
-    names = list(recs[0].get("models") or [f"stage{i}" for i in range(k)])
+    method = recs[0].method
+    k = len(recs[0].stages)
+    names = list(recs[0].models or [f"stage{i}" for i in range(k)])
     profiles = []
     for i in range(k):
-        srs = [r["stages"][i] for r in recs]
+        srs = [r.stages[i] for r in recs]
         if method == "ar" and i < k - 1:
             profiles.append(LatencyProfile(name=names[i]))  # idle in AR
             continue
         kind = "model"
-        if i == 0 and all((s.get("forward_calls", 1) == 0 and s.get("draft_steps", 0) > 0) for s in srs):
+        if i == 0 and all((s.forward_calls == 0 and s.draft_steps > 0) for s in srs):
             kind = "lookup"
         try:
             prof = fit_profile(srs, names[i], kind)
@@ -431,8 +435,8 @@ def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration
         if kind == "lookup":
             # misses leave no event; each makes the verifier take a step of its own (its upstream
             # is idle), so hits / (hits + those steps) estimates how often a context recurs
-            hits = sum(s.get("draft_steps", 0) for s in srs)
-            own = sum(r["stages"][1].get("own_steps", 0) for r in recs)
+            hits = sum(s.draft_steps for s in srs)
+            own = sum(r.stages[1].own_steps for r in recs)
             longest = max(int(n) for n, _ in prof.points)
             prof = replace(prof, lookup_hit_rate=hits / (hits + own) if hits + own else 1.0,
                            max_proposal=longest, lookup_chain_rate=_lookup_chain_rate(recs))  # fmt: skip
@@ -468,17 +472,17 @@ def calibrate(recs: Sequence[dict], blocking_reads: bool = False) -> Calibration
     return Calibration(method, tuple(profiles), tuple(rates), tuple(downs), tuple(ups))
 
 
-def recorded_prefills(rec: dict) -> tuple[float, ...]:
+def recorded_prefills(rec: Record) -> tuple[float, ...]:
     """Each stage's prefill time in a record (0 where a stage did not prefill)."""
     out = []
-    for sr in rec["stages"]:
-        pre = [e[1] - e[0] for e in sr.get("timeline") or [] if e[2] == "prefill"]
+    for sr in rec.stages:
+        pre = [e[1] - e[0] for e in sr.timeline if e[2] == "prefill"]
         out.append(pre[0] if pre else 0.0)
     return tuple(out)
 
 
 def simulate_record(
-    rec: dict,
+    rec: Record,
     cal: Calibration,
     use_traces: bool = True,
     max_run_ahead: int = 16,
@@ -491,20 +495,20 @@ def simulate_record(
     k = len(cal.profiles)
     traces = tuple(agreement_trace(rec, j + 1) for j in range(k - 1)) if use_traces else ()
     lookup = lookup_trace(rec) if use_traces and k > 1 and cal.profiles[0].kind == "lookup" else None
-    look = int(rec.get("lookahead") or 0) if rec["method"] != "ar" else 0
-    if rec["method"] == "sd":
+    look = (rec.lookahead or 0) if rec.method != "ar" else 0
+    if rec.method == "sd":
         look = max(1, look)  # the record's lookahead is SD's window
     decode = DecodeConfig(
         lookahead=look,
         sd_window=None,  # the window is ``look`` for every method
-        max_new_tokens=max(1, int(rec["n_new_tokens"])),
-        max_run_ahead=int(rec.get("max_run_ahead") or max_run_ahead),
-        max_verify=int(rec.get("max_verify") or max_verify),
+        max_new_tokens=max(1, rec.n_new_tokens),
+        max_run_ahead=rec.max_run_ahead or max_run_ahead,
+        max_verify=rec.max_verify or max_verify,
     )
     cfg = SimConfig(
-        method=rec["method"],
+        method=rec.method,
         decode=decode,
-        prompt_len=len(rec.get("prompt_ids") or []),
+        prompt_len=len(rec.prompt_ids),
         prefill_s=recorded_prefills(rec),
         start_s=tuple(_offsets(rec) or (0.0,) * k),
         latency_s=cal.down_latency_s,
@@ -552,9 +556,9 @@ def predict_run(
     decode = run_decode_config(run_dir)
     max_run_ahead = int(decode.get("max_run_ahead", max_run_ahead))
     max_verify = int(decode.get("max_verify", max_verify))
-    by_method: dict[str, list[dict]] = {}
+    by_method: dict[str, list[Record]] = {}
     for r in recs:
-        by_method.setdefault(r["method"], []).append(r)
+        by_method.setdefault(r.method, []).append(r)
     out: dict[str, dict] = {}
     for method in [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS)):
         rs = by_method[method]
@@ -566,8 +570,8 @@ def predict_run(
             for seed in seeds:
                 sim = simulate_record(r, c, use_traces, max_run_ahead, max_verify, seed, blocking_reads)
                 sim_wall += sim.wall_s / len(seeds)
-            wall += float(r["wall_s"])
-            tokens += int(r["n_new_tokens"])
+            wall += r.wall_s
+            tokens += r.n_new_tokens
         measured = 1000.0 * wall / tokens if tokens else float("nan")
         predicted = 1000.0 * sim_wall / tokens if tokens else float("nan")
         row = {

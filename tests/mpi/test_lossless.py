@@ -12,6 +12,8 @@ import json
 import pytest
 from conftest import launch_ok, outputs_by_method
 
+from pipespec_mpi.records import read_benchmark, read_records, read_summary
+
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 CASES = [
@@ -50,6 +52,15 @@ def _check_benchmark_json(run_dir, recs: list[dict], methods: list[str]) -> None
     assert any(r["warmup"] for r in recs)  # one uncounted warm-up prompt per method
 
 
+def _check_typed_reading(run_dir, recs: list[dict]) -> None:
+    """The typed readers hold every field the runner wrote: reading and writing back gives the
+    same JSON (results.jsonl, summary.json, benchmark.json)."""
+    assert [r.to_json() for r in read_records(run_dir / "results.jsonl")] == recs
+    for name, read in (("summary.json", read_summary), ("benchmark.json", read_benchmark)):
+        doc = json.loads((run_dir / name).read_text())
+        assert {m: row.to_json() for m, row in read(run_dir / name).items()} == doc, name
+
+
 @pytest.mark.parametrize("n,hier,lookahead,transport,max_new,methods", CASES)
 def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_new, methods):
     recs = launch_ok(
@@ -60,6 +71,7 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
     )  # fmt: skip
     _check_equal(recs, methods.strip("[]").split(","))
     _check_benchmark_json(tmp_path, recs, methods.strip("[]").split(","))
+    _check_typed_reading(tmp_path, recs)
     for r in recs:
         assert len(r["output_ids"]) == r["n_new_tokens"] == max_new  # no EOS in the byte models
         assert r["transport"] == transport

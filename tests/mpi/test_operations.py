@@ -64,10 +64,13 @@ def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
     proc.wait(timeout=30)
     done_before = len(part.read_text().splitlines())
     assert 2 <= done_before < 6, "the kill came too late to test resuming"
+    with open(part, "a") as f:  # as if the kill had come in the middle of writing a record
+        f.write('{"prompt_id": "torn", "replica": 0, "meth')
     resumed = launch_ok(3, [*args, "run.resume=true"], run_dir)
     got = {r["prompt_id"]: r["output_ids"] for r in resumed}
     assert got == full
     assert len(resumed) == 6  # each prompt once: the finished ones were skipped, not redone
+    assert "torn" not in part.read_text()  # cut before the resumed run appended
 
 
 @pytest.mark.parametrize("fault", ["raise@1", "kill@2", "hang@0"])

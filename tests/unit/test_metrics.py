@@ -1,20 +1,22 @@
 import pytest
 
 from pipespec_mpi.metrics import acceptance, benchmark_table, percentile, summarize, token_latencies
+from pipespec_mpi.records import Record
+from pipespec_mpi.stage.stats import StageStats
 
 
 def test_acceptance_on_a_known_trace():
     a = acceptance([[3, 3], [3, 1], [2, 0], [1, 1]])
-    assert a["verifications"] == 4 and a["accepted"] == 5 and a["proposed"] == 9
-    assert a["mean_acceptance_length"] == pytest.approx(1 + 5 / 4)
+    assert a.verifications == 4 and a.accepted == 5 and a.proposed == 9
+    assert a.mean_acceptance_length == pytest.approx(1 + 5 / 4)
     # position 0 accepted in 3 of 4; position 1 in 1 of 3; position 2 in 1 of 2
-    assert a["per_position_acceptance"] == pytest.approx([3 / 4, 1 / 3, 1 / 2])
-    assert a["accepted_histogram"] == [1, 2, 0, 1]
+    assert a.per_position_acceptance == pytest.approx([3 / 4, 1 / 3, 1 / 2])
+    assert a.accepted_histogram == [1, 2, 0, 1]
 
 
 def test_empty_trace():
     a = acceptance([])
-    assert a["verifications"] == 0 and a["mean_acceptance_length"] == 0.0
+    assert a.verifications == 0 and a.mean_acceptance_length == 0.0
 
 
 def test_token_latencies_spread_commits():
@@ -26,26 +28,29 @@ def test_percentile():
 
 
 def _rec(method, pid, n, wall, trace=()):
-    st = {"model": "m", "forward_calls": 1, "rollbacks": 0, "tokens_discarded": 0,
-          "discarded_s": 0.0, "busy_s": wall / 2, "prefill_s": 0.0, "verify_trace": [],
-          "commit_times": [[wall, n]]}  # fmt: skip
-    return {"method": method, "prompt_id": pid, "replica": 0, "warmup": False, "n_new_tokens": n,
-            "wall_s": wall, "ms_per_token": 1000 * wall / n, "ttft_s": 0.01,
-            "stages": [dict(st), {**st, "verify_trace": list(trace)}]}  # fmt: skip
+    def stage(s, tr):
+        return StageStats(stage=s, rank=s, model="m", forward_calls=1, busy_s=wall / 2,
+                          verify_trace=list(tr), commit_times=[[wall, n]])  # fmt: skip
+
+    return Record(prompt_id=pid, replica=0, method=method, warmup=False, seq=0, prompt_ids=[1],
+                  output_ids=[2] * n, text="", n_new_tokens=n, finish_reason="length", wall_s=wall,
+                  ms_per_token=1000 * wall / n, ttft_s=0.01, lookahead=1, max_new_tokens=n,
+                  transport="mpi", hierarchy="h", models=["m", "m"],
+                  stages=[stage(0, []), stage(1, trace)])  # fmt: skip
 
 
 def test_summary_and_benchmark_speedups():
     recs = [_rec("ar", "a", 10, 1.0), _rec("ar", "b", 10, 1.0),
             _rec("pipespec", "a", 10, 0.5, [[2, 1]]), _rec("pipespec", "b", 10, 0.25, [[2, 2]])]  # fmt: skip
     s = summarize(recs)
-    assert s["ar"]["ms_per_token"] == pytest.approx(100.0)
-    assert s["pipespec"]["ms_per_token"] == pytest.approx(37.5)
-    assert s["pipespec"]["mean_accepted_per_verification"]["0->1"] == pytest.approx(1.5)
+    assert s["ar"].ms_per_token == pytest.approx(100.0)
+    assert s["pipespec"].ms_per_token == pytest.approx(37.5)
+    assert s["pipespec"].mean_accepted_per_verification["0->1"] == pytest.approx(1.5)
     b = benchmark_table(recs, ["ar", "pipespec"])
-    assert b["pipespec"]["speedup"] == pytest.approx(100 / 37.5)
-    assert b["pipespec"]["speedup_per_prompt"]["median"] == pytest.approx(3.0)
-    assert b["pipespec"]["speedup_per_prompt"]["min"] == pytest.approx(2.0)
-    assert b["pipespec"]["speedup_per_prompt"]["max"] == pytest.approx(4.0)
+    assert b["pipespec"].speedup == pytest.approx(100 / 37.5)
+    assert b["pipespec"].speedup_per_prompt.median == pytest.approx(3.0)
+    assert b["pipespec"].speedup_per_prompt.min == pytest.approx(2.0)
+    assert b["pipespec"].speedup_per_prompt.max == pytest.approx(4.0)
 
 
 def test_energy_integration_and_per_token_accounting():
@@ -53,10 +58,13 @@ def test_energy_integration_and_per_token_accounting():
 
     assert integrate_energy([(0.0, 100.0), (1.0, 200.0), (2.0, 200.0)]) == pytest.approx(350.0)
     r = _rec("sd", "a", 10, 1.0)
-    r["stages"][0]["rank"], r["stages"][1]["rank"] = 0, 1
-    r["stages"][0]["gpus"] = [{"device": 0, "energy_j": 30.0}]
-    r["stages"][1]["gpus"] = [{"device": 1, "energy_j": 50.0}]
+    r.stages[0].rank, r.stages[1].rank = 0, 1
+    r.stages[0].gpus = [{"device": 0, "energy_j": 30.0}]
+    r.stages[1].gpus = [{"device": 1, "energy_j": 50.0}]
     s = summarize([r])["sd"]
-    assert s["energy_j_per_token_system"] == pytest.approx(8.0)
-    assert s["energy_j_per_token_per_gpu"] == pytest.approx(4.0)
-    assert "energy_j_per_token_system" not in summarize([_rec("ar", "a", 10, 1.0)])["ar"]
+    assert s.energy_j_per_token_system == pytest.approx(8.0)
+    assert s.energy_j_per_token_per_gpu == pytest.approx(4.0)
+    assert s.n_gpus_measured == 2
+    cpu = summarize([_rec("ar", "a", 10, 1.0)])["ar"]
+    assert cpu.energy_j_per_token_system is None
+    assert "energy_j_per_token_system" not in cpu.to_json()  # absent from summary.json on CPUs

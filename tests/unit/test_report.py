@@ -178,9 +178,9 @@ def test_timeline_records_picks_a_prompt_every_method_decoded(tmp_path: Path) ->
     d = write_run(tmp_path / "r", [rec("pipespec", "p0", 1.0, 10, PS_TRACES), *run_a()[1:]])
     (run,) = report.find_runs([d])
     got = report.timeline_records(run)
-    assert list(got) == ["ar", "pipespec"] and {r["prompt_id"] for r in got.values()} == {"p0"}
-    assert got["pipespec"]["wall_s"] == 1.0  # the first record of that prompt and method
-    assert {r["prompt_id"] for r in report.timeline_records(run, "p1").values()} == {"p1"}
+    assert list(got) == ["ar", "pipespec"] and {r.prompt_id for r in got.values()} == {"p0"}
+    assert got["pipespec"].wall_s == 1.0  # the first record of that prompt and method
+    assert {r.prompt_id for r in report.timeline_records(run, "p1").values()} == {"p1"}
 
 
 def _is_png(path: Path) -> bool:

@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.records import Record, write_records
 from pipespec_mpi.simulate import Acceptance, LatencyProfile, SimConfig, SimResult, simulate
 from pipespec_mpi.simulate.calibration import lookup_trace, predict_run
 from pipespec_mpi.simulate.cli import main
 from pipespec_mpi.simulate.oracle import TokenOracle, mix64
 from pipespec_mpi.simulate.paper import committed_to_trace
+from pipespec_mpi.stage.stats import StageStats
 
 MS = 1e-3
 DRAFT = LatencyProfile("draft", ((1, 1 * MS),))
@@ -195,26 +197,25 @@ def _as_run(tmp: Path, results: list[SimResult], prompt_len: int, look: int, clo
     """Write simulated prompts as a run directory in the real pipeline's record format. With
     ``clock`` each stage's timeline starts 2 ms after its upstream's and carries the absolute
     start (``t0_perf_counter``), as the pipeline records it; without, the starts are unknown."""
-    lines = []
+    records = []
     for i, r in enumerate(results):
         stages = []
         for s in r.stages:
-            d = {k: getattr(s, k) for k in ("stage", "model", "forward_calls", "draft_steps", "own_steps",
-                                            "verifications", "tokens_accepted", "verify_trace", "timeline",
-                                            "commit_times", "busy_s", "wait_s")}  # fmt: skip
             if clock:
                 shift = 0.002 * s.stage
-                d["timeline"] = [[e[0] - shift, e[1] - shift, *e[2:]] for e in s.timeline]
-                d["t0_perf_counter"] = 1000.0 + shift
-            stages.append(d)
-        lines.append(json.dumps({
-            "prompt_id": f"p{i}", "replica": 0, "method": r.method, "warmup": False,
-            "prompt_ids": [1] * prompt_len, "output_ids": [], "n_new_tokens": r.n_tokens,
-            "wall_s": r.wall_s, "ms_per_token": r.ms_per_token, "lookahead": look,
-            "max_new_tokens": r.n_tokens, "models": [s.model for s in r.stages], "stages": stages,
-        }))  # fmt: skip
+                timeline = [[e[0] - shift, e[1] - shift, *e[2:]] for e in s.timeline]
+                stages.append(replace(s, timeline=timeline, t0_perf_counter=1000.0 + shift))
+            else:
+                stages.append(replace(s, t0_perf_counter=0.0))  # no common clock: not recorded
+        records.append(Record(
+            prompt_id=f"p{i}", replica=0, method=r.method, warmup=False, seq=i + 1,
+            prompt_ids=[1] * prompt_len, output_ids=list(r.tokens), text="", n_new_tokens=r.n_tokens,
+            finish_reason="length", wall_s=r.wall_s, ms_per_token=r.ms_per_token, ttft_s=0.0,
+            lookahead=look, max_new_tokens=r.n_tokens, transport="sim", hierarchy="sim",
+            models=[s.model for s in r.stages], stages=stages,
+        ))  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "results.jsonl").write_text("\n".join(lines) + "\n")
+    write_records(tmp / "results.jsonl", records)
     return tmp
 
 
@@ -265,13 +266,16 @@ def test_lookup_replays_the_recorded_hits_on_the_target_path():
 
 
 def test_lookup_trace_from_a_record():
-    rec = {
-        "prompt_ids": [1] * 10,
-        "stages": [
-            {"timeline": [[0.0, 0.0, "draft", 4, 14], [0.1, 0.1, "draft", 1, 16]]},
-            {"timeline": [[0.0, 0.1, "verify", 4, 15], [0.1, 0.2, "own", 1, 16], [0.2, 0.3, "own", 1, 17]]},
-        ],
-    }
+    timelines = [
+        [[0.0, 0.0, "draft", 4, 14], [0.1, 0.1, "draft", 1, 16]],
+        [[0.0, 0.1, "verify", 4, 15], [0.1, 0.2, "own", 1, 16], [0.2, 0.3, "own", 1, 17]],
+    ]
+    rec = Record(
+        prompt_id="p", replica=0, method="pipespec", warmup=False, seq=1, prompt_ids=[1] * 10,
+        output_ids=[], text="", n_new_tokens=7, finish_reason="length", wall_s=0.3, ms_per_token=0.0,
+        ttft_s=0.0, lookahead=0, max_new_tokens=7, transport="mpi", hierarchy="h", models=["a", "b"],
+        stages=[StageStats(stage=s, rank=s, model="m", timeline=t) for s, t in enumerate(timelines)],
+    )  # fmt: skip
     assert lookup_trace(rec) == {0: 4, 5: 1, 6: 0}
 
 
@@ -285,6 +289,21 @@ def test_cli_from_run_json(tmp_path, capsys):
     assert main(["--from", str(run)]) == 0
     assert "predicted" in capsys.readouterr().out
     assert main(["--from", str(tmp_path / "nope")]) == 2
+
+
+def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys):
+    from pipespec_mpi.plan import inputs_from_run
+
+    run = _synthetic_run(tmp_path / "run")
+    _fix_lookahead(run)
+    assert main(["--calibration", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
+    assert all(r["hierarchy"] == "sim" and r["lookahead"] == [2, 3] for r in rows)
+    inputs = inputs_from_run(run)  # from the PipeSpec records
+    assert (
+        inputs.target == "target" and inputs.hierarchy == "sim" and set(inputs.models) == {"draft", "target"}
+    )
 
 
 def test_cli_paper_preset_json():
