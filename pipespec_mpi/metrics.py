@@ -24,6 +24,8 @@ from pipespec_mpi.records import (
     StageSummary,
 )
 
+PERCENTILES = (50, 90, 99)  # of per-token latency in summary.json
+
 
 def acceptance(trace: Sequence[Sequence[int]]) -> PairAcceptance:
     """Acceptance statistics of one verifier from its [n_proposed, n_accepted] trace."""
@@ -50,13 +52,14 @@ def acceptance(trace: Sequence[Sequence[int]]) -> PairAcceptance:
     )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+def latency_percentiles_ms(latencies_s: Sequence[float]) -> dict[str, float]:
+    """p50/p90/p99 of per-token latencies, in ms: linear interpolation between the closest ranks
+    (``statistics.quantiles``' inclusive method, numpy's default); 0 without latencies."""
+    if len(latencies_s) < 2:
+        value = 1000 * latencies_s[0] if latencies_s else 0.0
+        return {f"p{q}": value for q in PERCENTILES}
+    cuts = statistics.quantiles(latencies_s, n=100, method="inclusive")
+    return {f"p{q}": 1000 * cuts[q - 1] for q in PERCENTILES}
 
 
 def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
@@ -105,7 +108,7 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
             ms_per_token=1000 * wall / tokens if tokens else 0.0,
             tokens_per_s=tokens / wall if wall else 0.0,
             ttft_s_mean=statistics.fmean(r.ttft_s for r in rs),
-            token_latency_ms={f"p{q}": 1000 * percentile(lat, q) for q in (50, 90, 99)},
+            token_latency_ms=latency_percentiles_ms(lat),
             acceptance=pairs,
             mean_accepted_per_verification={k: v.mean_accepted for k, v in pairs.items()},
             stages=stages,

@@ -61,13 +61,14 @@ class Run:
 
 
 def _yaml(path: Path) -> Any:
+    """A YAML file Hydra saved (``.hydra/*.yaml``) as plain containers; None if absent or unreadable."""
     if not path.is_file():
         return None
-    import yaml
+    from omegaconf import OmegaConf
 
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception:  # noqa: BLE001 - a run without a readable config is still a run
         return None
 
 

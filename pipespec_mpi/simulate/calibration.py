@@ -59,12 +59,11 @@ def _stage_events(rec: Record, stage: int) -> list[list]:
 
 
 def _lsq_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
-    n = len(xs)
-    if n < 2:
+    """Least-squares slope of ys on xs; 0 with fewer than two points or all xs equal."""
+    try:
+        return statistics.linear_regression(xs, ys).slope
+    except statistics.StatisticsError:
         return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
 
 
 def fit_profile(stage_recs: Sequence[StageStats], name: str, kind: str = "model") -> LatencyProfile:
@@ -307,17 +306,6 @@ def _lookup_chain_rate(recs: Sequence[Record]) -> float | None:
     return chained / tried if tried else None
 
 
-def _crossing(series: list[tuple[float, int]], length: int, before: float) -> float | None:
-    """End time of the upstream action after which its committed length last rose to
-    >= ``length`` (among actions ending before ``before``)."""
-    idx = bisect.bisect_right([t for t, _ in series], before) - 1
-    if idx < 0 or series[idx][1] < length:
-        return None
-    while idx > 0 and series[idx - 1][1] >= length:
-        idx -= 1
-    return series[idx][0]
-
-
 _CLOCK_SLACK_S = 0.01  # the most two ranks' barrier exits are assumed apart (records without a clock)
 
 
@@ -524,13 +512,14 @@ def run_decode_config(run_dir: str | Path) -> dict:
     path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.exists():
         return {}
-    try:
-        import yaml
+    from omegaconf import DictConfig, OmegaConf
 
-        node = yaml.safe_load(path.read_text()) or {}
+    try:
+        node = OmegaConf.load(path)
+        dec = node.get("decode") if isinstance(node, DictConfig) else None
+        dec = OmegaConf.to_container(dec) if isinstance(dec, DictConfig) else {}
     except Exception:  # noqa: BLE001 - a run without a readable config keeps the defaults
         return {}
-    dec = node.get("decode") or {}
     return {k: dec[k] for k in ("max_run_ahead", "max_verify") if isinstance(dec.get(k), int)}
 
 

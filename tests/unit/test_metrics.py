@@ -1,6 +1,16 @@
+import random
+import statistics
+
 import pytest
 
-from pipespec_mpi.metrics import acceptance, benchmark_table, percentile, summarize, token_latencies
+from pipespec_mpi.metrics import (
+    PERCENTILES,
+    acceptance,
+    benchmark_table,
+    latency_percentiles_ms,
+    summarize,
+    token_latencies,
+)
 from pipespec_mpi.records import Record
 from pipespec_mpi.stage.stats import StageStats
 
@@ -23,8 +33,31 @@ def test_token_latencies_spread_commits():
     assert token_latencies([[0.1, 1], [0.4, 4]]) == pytest.approx([0.1, 0.1, 0.1, 0.1])
 
 
-def test_percentile():
-    assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+def _hand_written_percentile(values, q):
+    """The percentile summary.json used before ``statistics.quantiles``: linear interpolation
+    between the closest ranks."""
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def test_latency_percentiles():
+    assert latency_percentiles_ms([0.001, 0.002, 0.003, 0.004])["p50"] == pytest.approx(2.5)
+    assert latency_percentiles_ms([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    assert latency_percentiles_ms([0.003]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+    # 0, 1, ..., 100 ms: percentile q is q ms
+    steps = latency_percentiles_ms([k / 1000 for k in range(101)])
+    assert steps == {f"p{q}": pytest.approx(q, rel=1e-12) for q in PERCENTILES}
+    # the same numbers as the hand-written formula it replaces, up to floating-point rounding
+    # (the two evaluate the interpolation in a different order: at most ~1e-14 apart)
+    rng = random.Random(0)
+    for _ in range(2000):
+        xs = [rng.expovariate(50) for _ in range(rng.randint(2, 300))]
+        got = latency_percentiles_ms(xs)
+        for q in PERCENTILES:
+            assert got[f"p{q}"] == pytest.approx(1000 * _hand_written_percentile(xs, q), rel=1e-12, abs=0)
+        assert statistics.median(xs) == pytest.approx(got["p50"] / 1000, rel=1e-12)
 
 
 def _rec(method, pid, n, wall, trace=()):
