@@ -3,15 +3,21 @@
 A message is int64[4 + max_msg_tokens]: (prompt, epoch, start, count, tokens...). ``prompt`` is
 the prompt sequence number (stale messages from a finished prompt are recognisable), ``epoch``
 the receiver's rollback epoch the sender had seen, ``start`` the position of the first token.
-A count of -1 closes the channel.
+A count of -1 closes the channel. With sampling, float32 rows [max_msg_tokens, V] follow.
 
-The receiver keeps ``depth`` receives posted ahead and polls them in posting order (MPI and gloo
-both keep point-to-point order per sender), so a stage never blocks on its upstream. Three
-transports with one interface:
-  mpi   mpi4py Isend / Irecv on numpy buffers
+A link has a sending and a receiving class per transport. What they share lives in the base
+classes: the message encoding, the sender's ring of send buffers (a buffer is reused only once
+its send completed) and the chunking into messages, the receiver's close handshake. A transport
+only says how to allocate a buffer, start a send or receive, and test it:
+  mpi   mpi4py Isend / Irecv on numpy buffers (a send carries only the used prefix)
   gloo  torch.distributed isend / irecv on CPU tensors; gloo only reports a receive complete
         once it is waited on, so a helper thread waits (blocking, not spinning) and queues them
-  nccl  torch.distributed on device tensors; receives polled with ``is_completed``
+  nccl  torch.distributed on device tensors, staged through a host buffer; polled with
+        ``is_completed``
+
+The receiver keeps ``depth`` receives posted ahead and takes them in posting order (MPI, gloo and
+NCCL all keep point-to-point order per sender), so a stage never blocks on its upstream.
+``Sender(transport, ...)`` and ``Receiver(transport, ...)`` build the transport's classes.
 """
 
 from __future__ import annotations
@@ -70,11 +76,6 @@ def used_words(n_tokens: int, width: int, dist_width: int) -> int:
     return META + width + (n_tokens * dist_width + 1) // 2
 
 
-def _gloo_done(work) -> bool:
-    work.wait()
-    return True
-
-
 class _SendRing:
     """Preallocated send buffers; a buffer is reused only once its send completed."""
 
@@ -107,48 +108,63 @@ class _SendRing:
         return all(self._free(i) for i in range(len(self.bufs)))
 
 
-class Sender:
-    """Downstream side of a channel (owned by the proposing stage)."""
+class _ByTransport(type):
+    """Calling a base class that names its transports (``Sender``, ``Receiver``) builds the class
+    of the transport named by the first argument: ``Sender("gloo", comm, peer, ...)`` is
+    ``GlooSender(comm, peer, ...)``. The transport classes are called directly as usual."""
+
+    def __call__(cls, *args, **kwargs):
+        table = cls.__dict__.get("transports")
+        if table is None:
+            return super().__call__(*args, **kwargs)
+        if "transport" in kwargs:
+            transport = kwargs.pop("transport")
+        else:
+            transport, *args = args
+        if transport not in table:
+            raise ValueError(f"unknown transport {transport!r}: one of {', '.join(table)}")
+        return table[transport](*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# sending
+
+
+class Sender(metaclass=_ByTransport):
+    """Downstream side of a link (owned by the proposing stage): chunks tokens into messages and
+    keeps the ring of send buffers. A transport supplies ``_new_buffer``, ``_host``, ``_start``
+    and ``_done``.
+
+    ``Sender(transport, comm, peer, depth, max_msg_tokens, device=None, dist_width=0)`` builds
+    the transport's class (``transports``: mpi, gloo, nccl)."""
+
+    transports: dict[str, type[Sender]]
 
     def __init__(
-        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None,
-        dist_width: int = 0,
-    ):  # fmt: skip
-        self.transport, self.peer, self.width = transport, peer, max_msg_tokens
-        self.depth, self.dist_width = depth, dist_width
-        words = buffer_words(max_msg_tokens, dist_width)
-        if transport == "mpi":
-            self.comm = comm
-            self.ring = _SendRing(depth, words, lambda w: np.zeros(w, dtype=np.int64), lambda r: r.Test())
-        else:
-            import torch
-
-            self.device = device or torch.device("cpu")
-            self.host = np.zeros(words, dtype=np.int64)
-            # gloo reports a send complete only once it is waited on; the peer always keeps
-            # receives posted, so that wait is short (the data is handed to the socket).
-            test = (lambda r: r.is_completed()) if transport == "nccl" else _gloo_done
-            self.ring = _SendRing(
-                depth, words, lambda w: torch.zeros(w, dtype=torch.int64, device=self.device), test
-            )
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        self.comm, self.device = comm, device  # what a transport needs of them
+        self.peer, self.depth = peer, depth
+        self.width, self.dist_width = max_msg_tokens, dist_width
+        self.ring = _SendRing(depth, buffer_words(max_msg_tokens, dist_width), self._new_buffer, self._done)
         self.bytes_sent = 0
 
-    def _post(self, i: int, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> None:
-        enc = dict(dists=dists, width=self.width, dist_width=self.dist_width)
-        if self.transport == "mpi":
-            buf = self.ring.bufs[i]
-            encode(buf, prompt, epoch, start, tokens, **enc)
-            used = used_words(len(tokens), self.width, self.dist_width)  # MPI takes a prefix
-            self.ring.reqs[i] = self.comm.Isend(buf[:used], dest=self.peer, tag=TAG)
-            self.bytes_sent += 8 * used
-        else:
-            import torch
-            import torch.distributed as dist
+    def _new_buffer(self, words: int):
+        """One send buffer of ``words`` int64."""
+        raise NotImplementedError
 
-            encode(self.host, prompt, epoch, start, tokens, **enc)
-            self.ring.bufs[i].copy_(torch.from_numpy(self.host), non_blocking=False)
-            self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
-            self.bytes_sent += 8 * self.ring.bufs[i].numel()  # torch p2p sends whole buffers
+    def _host(self, i: int) -> np.ndarray:
+        """The host array that message ``i`` is encoded into."""
+        raise NotImplementedError
+
+    def _start(self, i: int, words: int) -> tuple[object, int]:
+        """Send ring buffer ``i`` (at least its first ``words``); returns the request and the words
+        that travel."""
+        raise NotImplementedError
+
+    def _done(self, req) -> bool:
+        """Whether a send request has completed (called until it has, never after)."""
+        raise NotImplementedError
 
     def try_send(self, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> int:
         """Post tokens for positions start.. in as many messages as their width needs, as far as
@@ -162,7 +178,9 @@ class Sender:
                 break
             chunk = tokens[off : off + self.width]
             rows = None if dists is None else dists[off : off + self.width]
-            self._post(i, prompt, epoch, start + off, chunk, rows)
+            encode(self._host(i), prompt, epoch, start + off, chunk, rows, self.width, self.dist_width)
+            self.ring.reqs[i], words = self._start(i, used_words(len(chunk), self.width, self.dist_width))
+            self.bytes_sent += 8 * words
             posted += len(chunk)
         return posted
 
@@ -170,70 +188,239 @@ class Sender:
         """Match every receive the peer keeps posted with a close message, then drain."""
         for _ in range(self.depth):
             i = self.ring.acquire(wait)
-            if self.transport == "mpi":
-                buf = self.ring.bufs[i]
-                buf[:META] = (0, 0, 0, CLOSE)
-                self.ring.reqs[i] = self.comm.Isend(buf, dest=self.peer, tag=TAG)
-            else:
-                import torch
-                import torch.distributed as dist
-
-                self.host[:META] = (0, 0, 0, CLOSE)
-                self.ring.bufs[i].copy_(torch.from_numpy(self.host))
-                self.ring.reqs[i] = dist.isend(self.ring.bufs[i], dst=self.peer, tag=TAG)
+            self._host(i)[:META] = (0, 0, 0, CLOSE)
+            self.ring.reqs[i], _ = self._start(i, META)
         wait(self.ring.drained, "close messages to be delivered")
 
 
-class Receiver:
-    """Upstream side of a channel (owned by the verifying stage)."""
+class MpiSender(Sender):
+    """mpi4py Isend of the used prefix of a numpy buffer."""
 
-    def __init__(
-        self, transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None,
-        dist_width: int = 0,
-    ):  # fmt: skip
-        self.transport, self.peer, self.depth = transport, peer, depth
-        self.width, self.dist_width = max_msg_tokens, dist_width
-        width = buffer_words(max_msg_tokens, dist_width)
-        self.closed = 0
-        if transport == "mpi":
-            self.comm = comm
-            self.bufs = [np.zeros(width, dtype=np.int64) for _ in range(depth)]
-            self.posted: deque = deque()
-            for i in range(depth):
-                self.posted.append((i, comm.Irecv(self.bufs[i], source=peer, tag=TAG)))
-        elif transport == "gloo":
-            import torch
+    def _new_buffer(self, words: int) -> np.ndarray:
+        return np.zeros(words, dtype=np.int64)
 
-            self.queue: queue.Queue = queue.Queue()
-            self.bufs = [torch.zeros(width, dtype=torch.int64) for _ in range(depth)]
-            self.thread = threading.Thread(target=self._gloo_loop, name=f"recv<-{peer}", daemon=True)
-            self.error: BaseException | None = None
-            self.thread.start()
-        else:  # nccl
-            import torch
-            import torch.distributed as dist
+    def _host(self, i: int) -> np.ndarray:
+        return self.ring.bufs[i]
 
-            self.device = device
-            self.bufs = [torch.zeros(width, dtype=torch.int64, device=device) for _ in range(depth)]
-            self.posted = deque((i, dist.irecv(self.bufs[i], src=peer, tag=TAG)) for i in range(depth))
+    def _start(self, i: int, words: int) -> tuple[object, int]:
+        return self.comm.Isend(self.ring.bufs[i][:words], dest=self.peer, tag=TAG), words
 
-    def _gloo_loop(self) -> None:
+    def _done(self, req) -> bool:
+        return req.Test()
+
+
+class _TorchSender(Sender):
+    """torch.distributed isend of a whole tensor buffer (torch p2p sends whole tensors)."""
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64, device=self.device)
+
+    def _start(self, i: int, words: int) -> tuple[object, int]:
         import torch.distributed as dist
 
-        # depth receives posted ahead, completed in order by blocking waits on this thread
+        buf = self.ring.bufs[i]
+        return dist.isend(buf, dst=self.peer, tag=TAG), buf.numel()
+
+
+class GlooSender(_TorchSender):
+    """CPU tensors, encoded in place. gloo reports a send complete only once it is waited on; the
+    peer always keeps receives posted, so that wait is short (the data is handed to the socket)."""
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width)  # always CPU tensors
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.ring.bufs[i].numpy()  # shares the tensor's memory
+
+    def _done(self, req) -> bool:
+        req.wait()  # at most once per request: the ring drops a request once it completed
+        return True
+
+
+class NcclSender(_TorchSender):
+    """Device tensors: a message is encoded in a host buffer and copied to its device buffer
+    (synchronously, so the host buffer is free again at once); sends polled with is_completed."""
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        if device is None:
+            raise ValueError("an nccl link needs the CUDA device of its buffers")
+        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+        self.host = np.zeros(buffer_words(max_msg_tokens, dist_width), dtype=np.int64)
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.host
+
+    def _start(self, i: int, words: int) -> tuple[object, int]:
+        import torch
+
+        self.ring.bufs[i].copy_(torch.from_numpy(self.host), non_blocking=False)
+        return super()._start(i, words)
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+
+# ---------------------------------------------------------------------------------------------
+# receiving
+
+
+class Receiver(metaclass=_ByTransport):
+    """Upstream side of a link (owned by the verifying stage): ``depth`` receives posted ahead,
+    taken in posting order; ``closed`` counts the close messages seen.
+
+    ``Receiver(transport, comm, peer, depth, max_msg_tokens, device=None, dist_width=0)`` builds
+    the transport's class (``transports``: mpi, gloo, nccl)."""
+
+    transports: dict[str, type[Receiver]]
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        self.comm, self.device = comm, device  # what a transport needs of them
+        self.peer, self.depth = peer, depth
+        self.width, self.dist_width = max_msg_tokens, dist_width
+        self.words = buffer_words(max_msg_tokens, dist_width)
+        self.closed = 0
+
+    def _decode(self, host: np.ndarray) -> Proposal | None:
+        return decode(host, self.width, self.dist_width)
+
+    def poll(self) -> list[Proposal]:
+        """All messages that have arrived, in order; never blocks."""
+        raise NotImplementedError
+
+    def close(self, wait) -> None:
+        """Consume messages until the sender's close messages matched every posted receive."""
+
+        def all_closed() -> bool:
+            self.poll()  # proposals still in flight are dropped
+            return self.closed >= self.depth
+
+        wait(all_closed, "the channel to close")
+
+
+class _PolledReceiver(Receiver):
+    """Receives tested in posting order from the stage's own thread; a transport supplies
+    ``_new_buffer``, ``_post``, ``_done`` and ``_host``."""
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+        self.bufs = [self._new_buffer(self.words) for _ in range(depth)]
+        self.posted: deque = deque((i, self._post(i)) for i in range(depth))
+
+    def _new_buffer(self, words: int):
+        raise NotImplementedError
+
+    def _post(self, i: int):
+        """Post a receive into buffer ``i``; returns its request."""
+        raise NotImplementedError
+
+    def _done(self, req) -> bool:
+        """Whether a receive has completed (called until it has, never after)."""
+        raise NotImplementedError
+
+    def _host(self, i: int) -> np.ndarray:
+        """Buffer ``i`` as a host array, once its receive completed."""
+        raise NotImplementedError
+
+    def poll(self) -> list[Proposal]:
+        """All messages that have arrived, in order; never blocks."""
+        out: list[Proposal] = []
+        while self.posted:
+            i, req = self.posted[0]
+            if not self._done(req):
+                break
+            self.posted.popleft()
+            msg = self._decode(self._host(i))  # copies out of the buffer before it is reposted
+            if msg is None:
+                self.closed += 1
+                continue
+            out.append(msg)
+            self.posted.append((i, self._post(i)))
+        return out
+
+
+class MpiReceiver(_PolledReceiver):
+    """mpi4py Irecv into numpy buffers, polled with Test."""
+
+    def _new_buffer(self, words: int) -> np.ndarray:
+        return np.zeros(words, dtype=np.int64)
+
+    def _post(self, i: int):
+        return self.comm.Irecv(self.bufs[i], source=self.peer, tag=TAG)
+
+    def _done(self, req) -> bool:
+        return req.Test()
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.bufs[i]
+
+
+class NcclReceiver(_PolledReceiver):
+    """torch.distributed irecv into device tensors, polled with is_completed."""
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        if device is None:
+            raise ValueError("an nccl link needs the CUDA device of its buffers")
+        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64, device=self.device)
+
+    def _post(self, i: int):
+        import torch.distributed as dist
+
+        return dist.irecv(self.bufs[i], src=self.peer, tag=TAG)
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.bufs[i].cpu().numpy()
+
+
+class GlooReceiver(Receiver):
+    """torch.distributed irecv into CPU tensors. gloo completes a receive only when it is waited
+    on, so a helper thread keeps the receives posted, waits on them in order (blocking, not
+    spinning) and queues what arrives; ``poll`` drains the queue."""
+
+    def __init__(
+        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    ) -> None:
+        import torch
+
+        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width)  # always CPU tensors
+        self.queue: queue.Queue = queue.Queue()
+        self.bufs = [torch.zeros(self.words, dtype=torch.int64) for _ in range(depth)]
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name=f"recv<-{peer}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import torch.distributed as dist
+
+        # depth receives posted ahead, each waited on once, in order; ends after depth closes
         try:
             works = deque((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)) for i in range(self.depth))
-            closes = 0
             while works:
                 i, w = works.popleft()
                 w.wait()
-                msg = decode(self.bufs[i].numpy(), self.width, self.dist_width)
-                if msg is None:
-                    closes += 1
-                    self.queue.put(None)
-                    continue
+                msg = self._decode(self.bufs[i].numpy())
                 self.queue.put(msg)
-                works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
+                if msg is not None:
+                    works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
         except BaseException as err:  # surfaced on the main thread by poll()
             self.error = err
             self.queue.put(None)
@@ -241,47 +428,26 @@ class Receiver:
     def poll(self) -> list[Proposal]:
         """All messages that have arrived, in order; never blocks."""
         out: list[Proposal] = []
-        if self.transport == "gloo":
-            while True:
-                try:
-                    msg = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if msg is None:
-                    if self.error is not None:
-                        raise RuntimeError(f"gloo receive from rank {self.peer} failed") from self.error
-                    self.closed += 1
-                else:
-                    out.append(msg)
-            return out
-        while self.posted:
-            i, req = self.posted[0]
-            if self.transport == "mpi":
-                if not req.Test():
-                    break
-                msg = decode(self.bufs[i], self.width, self.dist_width)
-            else:
-                if not req.is_completed():
-                    break
-                msg = decode(self.bufs[i].cpu().numpy(), self.width, self.dist_width)
-            self.posted.popleft()
+        while True:
+            try:
+                msg = self.queue.get_nowait()
+            except queue.Empty:
+                break
             if msg is None:
+                if self.error is not None:
+                    raise RuntimeError(f"gloo receive from rank {self.peer} failed") from self.error
                 self.closed += 1
-                continue
-            out.append(msg)
-            self._repost(i)
+            else:
+                out.append(msg)
         return out
 
-    def _repost(self, i: int) -> None:
-        if self.transport == "mpi":
-            self.posted.append((i, self.comm.Irecv(self.bufs[i], source=self.peer, tag=TAG)))
-        else:
-            import torch.distributed as dist
-
-            self.posted.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
-
     def close(self, wait) -> None:
-        """Consume messages until the sender's close messages matched every posted receive."""
-        wait(lambda: (self.poll() is not None) and self.closed >= self.depth, "the channel to close")
-        if self.transport == "gloo":
-            self.thread.join(timeout=5)
+        super().close(wait)
+        self.thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# one class per transport, by name
+
+Sender.transports = {"mpi": MpiSender, "gloo": GlooSender, "nccl": NcclSender}
+Receiver.transports = {"mpi": MpiReceiver, "gloo": GlooReceiver, "nccl": NcclReceiver}
