@@ -14,6 +14,8 @@ import sys
 import traceback
 from dataclasses import dataclass
 
+from pipespec_mpi.errors import UserError
+
 
 @dataclass(frozen=True)
 class World:
@@ -59,16 +61,23 @@ def check_singletons(world: World) -> None:
             )
 
 
-def _iface_address(iface: str) -> str:
-    import fcntl
-    import struct
+class InterfaceError(UserError, ValueError):
+    """The configured rendezvous interface does not exist or has no IPv4 address."""
 
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
-        return socket.inet_ntoa(packed[20:24])
-    finally:
-        s.close()
+
+def _iface_address(iface: str) -> str:
+    """The interface's first IPv4 address, as psutil lists them."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    if iface not in addrs:
+        raise InterfaceError(
+            f"transport.iface={iface}: no such network interface here (have: {', '.join(sorted(addrs))})"
+        )
+    for a in addrs[iface]:
+        if a.family == socket.AF_INET:
+            return a.address
+    raise InterfaceError(f"transport.iface={iface}: the interface has no IPv4 address")
 
 
 def init_torch_distributed(world: World, backend: str, iface: str | None) -> None:
