@@ -42,6 +42,9 @@ class RecordError(UserError, ValueError):
         self.path, self.line, self.reason = Path(path), line, reason
         super().__init__(f"{path}:{line}: {reason}" if line is not None else f"{path}: {reason}")
 
+    def __reduce__(self):  # pickled to the other ranks (a resumed run's records are read on rank 0)
+        return type(self), (self.path, self.line, self.reason), self.__dict__
+
 
 class _Malformed(ValueError):
     """What is wrong with one JSON value (turned into a ``RecordError`` with its place)."""
@@ -123,7 +126,7 @@ def read_records(path: str | Path) -> list[Record]:
                 print(f"[pipespec_mpi] {path}:{i}: skipping a torn last line (a job killed mid-write)",
                       file=sys.stderr)  # fmt: skip
                 continue
-            raise RecordError(path, i, f"not JSON ({err.msg} at column {err.colno})") from None
+            raise RecordError(path, i, f"not JSON: {err.msg} (column {err.colno})") from None
         try:
             out.append(Record.from_json(obj))
         except _Malformed as err:
@@ -298,7 +301,7 @@ def _read_doc(path: str | Path, load: Callable[[Any, str], Any]) -> dict:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise RecordError(path, err.lineno, f"not JSON ({err.msg} at column {err.colno})") from None
+        raise RecordError(path, err.lineno, f"not JSON: {err.msg} (column {err.colno})") from None
     try:
         return {m: load(v, repr(m)) for m, v in _object(doc, "the file").items()}
     except _Malformed as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import fields
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def test_a_malformed_middle_line_names_the_file_and_the_line(tmp_path: Path) -> 
     with pytest.raises(RecordError, match=r"results\.jsonl:3: not JSON") as err:
         read_records(path)
     assert err.value.path == path and err.value.line == 3
+    err.value.collective = True  # as the runner broadcasts it from rank 0 to every rank
+    copy = pickle.loads(pickle.dumps(err.value))
+    assert str(copy) == str(err.value) and copy.line == 3 and copy.collective
     # a line that is JSON but not a record: a missing field, a value of the wrong type
     missing = {k: v for k, v in good.items() if k != "wall_s"}
     with pytest.raises(RecordError, match=r"results\.jsonl:2: record: missing field 'wall_s'"):
