@@ -63,7 +63,7 @@ def app(cfg: DictConfig) -> None:
         stage = world.rank % typed.hierarchy.n_stages
         logger.filters.clear()
         logger.addFilter(StageTag(f"replica {world.rank // typed.hierarchy.n_stages} stage {stage}"))
-        from pipespec_mpi.runner import Runner
+        from pipespec_mpi.run import Runner
 
         Runner(typed, run_dir, world).run()
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down

@@ -1,0 +1,155 @@
+"""The MPI ends of a job (the ports ``StageProcess`` drives): the start gate, the handoff of every
+stage's stats to the replica's leader (its last stage), and what the leader does with them: one
+``Record`` assembled and appended to ``parts/replica-<r>.jsonl``, flushed and fsynced."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from collections.abc import Callable
+from pathlib import Path
+
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.records import Record, drop_torn_tail
+from pipespec_mpi.run.jobs import Job
+from pipespec_mpi.stage.stats import StageOutcome, StageStats
+from pipespec_mpi.topology import Placement
+
+STATS_TAG = 11
+
+
+def part_path(run_dir: Path, replica: int) -> Path:
+    return run_dir / "parts" / f"replica-{replica}.jsonl"
+
+
+class BarrierGate:
+    """The start of a prompt: a non-blocking barrier over the replica's stages."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.req = None
+
+    def open(self, seq: int) -> None:
+        self.req = self.comm.Ibarrier()
+
+    def passed(self) -> bool:
+        return self.req.Test()
+
+
+OnStats = Callable[[Job, StageOutcome, list[StageStats]], None]
+
+
+class LeaderHandoff:
+    """Stage stats, with the rank's resource use, to the replica's leader (its last stage), which
+    assembles the record."""
+
+    def __init__(self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None) -> None:
+        self.comm, self.stage, self.leader = comm, stage, n_stages - 1
+        self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
+        self.on_record = on_record  # the leader's: (job, its outcome, every stage's stats) -> None
+        self.req = None
+        self.job: Job | None = None
+        self.outcome: StageOutcome | None = None
+        self.stats: list[StageStats | None] = []
+
+    def post(self, job: Job, outcome: StageOutcome) -> None:
+        outcome.stats.gpus = self.gpu_monitor.stop()
+        outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if self.stage != self.leader:
+            self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)
+            return
+        self.job, self.outcome = job, outcome
+        self.stats = [None] * (self.leader + 1)
+        self.stats[self.leader] = outcome.stats
+
+    def delivered(self) -> bool:
+        if self.stage != self.leader:
+            return self.req.Test()
+        for s, got in enumerate(self.stats):
+            if got is None and self.comm.iprobe(source=s, tag=STATS_TAG):
+                self.stats[s] = self.comm.recv(source=s, tag=STATS_TAG)
+        if any(got is None for got in self.stats):
+            return False
+        self.on_record(self.job, self.outcome, self.stats)
+        return True
+
+
+class RecordAssembler:
+    """The results line of one job, from the leader's outcome and every stage's stats."""
+
+    def __init__(
+        self, cfg: AppConfig, replica: int, transport: str, decode: Callable[[list[int]], str]
+    ) -> None:
+        self.cfg, self.replica, self.transport, self.decode = cfg, replica, transport, decode
+
+    def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
+        cfg = self.cfg
+        n = len(outcome.tokens)
+        commits = outcome.stats.commit_times
+        t_wall = outcome.wall_s
+        return Record(
+            prompt_id=job.prompt_id,
+            replica=self.replica,
+            method=job.method,
+            warmup=job.warmup,
+            sample_idx=job.sample_idx,
+            temperature=cfg.sampling.temperature,
+            coupling=cfg.sampling.coupling,
+            bytes_sent=[s.bytes_sent for s in stats],
+            seq=job.seq,
+            prompt_ids=job.prompt_ids,
+            output_ids=outcome.tokens,
+            text=self.decode(outcome.tokens),
+            n_new_tokens=n,
+            finish_reason=outcome.finish_reason,
+            wall_s=t_wall,
+            ms_per_token=1000 * t_wall / n if n else 0.0,
+            ttft_s=commits[0][0] if commits else t_wall,
+            lookahead=cfg.decode.window(job.method),
+            max_run_ahead=cfg.decode.max_run_ahead,
+            max_verify=cfg.decode.max_verify,
+            max_new_tokens=cfg.decode.max_new_tokens,
+            transport=self.transport,
+            hierarchy=cfg.hierarchy.name,
+            models=[s.name for s in cfg.hierarchy.stages],
+            stages=stats,
+        )
+
+
+class Collector:
+    """The leader's end of every job: its record appended to the replica's part (flushed and
+    fsynced, so a killed job loses at most the prompts in flight), progress shown."""
+
+    def __init__(self, assemble: RecordAssembler, part: Path, progress=None) -> None:
+        self.assemble, self.bar = assemble, progress
+        part.parent.mkdir(parents=True, exist_ok=True)
+        drop_torn_tail(part)  # a resumed run appends after what a killed one left
+        self.file = open(part, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+
+    def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> None:
+        rec = self.assemble(job, outcome, stats)
+        self.file.write(json.dumps(rec.to_json()) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        if self.bar is not None:
+            self.bar.update(1)
+            last = rec.stages[-1]
+            acc = last.tokens_accepted / last.verifications if last.verifications else 0
+            self.bar.set_postfix(
+                method=job.method, tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}", accepted=f"{acc:.2f}"
+            )
+
+    def close(self) -> None:
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def progress_bar(cfg: AppConfig, pl: Placement, total: int):
+    """A tqdm bar on replica 0's leader when ``run.progress``; None elsewhere."""
+    if not (cfg.run.progress and pl.is_last and pl.replica == 0):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"replica 0 ({pl.n_replicas} total)", unit="prompt")

@@ -1,0 +1,59 @@
+"""The end of a run, on rank 0: every replica's part merged into results.jsonl (warm-ups first,
+then in prompt order), summary.json, benchmark.json (run.mode=benchmark) and a printed table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+from pipespec_mpi import metrics
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.records import (
+    BENCHMARK,
+    RESULTS,
+    SUMMARY,
+    BenchmarkRow,
+    read_records,
+    write_benchmark,
+    write_records,
+    write_summary,
+)
+from pipespec_mpi.run.jobs import Prompt
+
+
+def finalize(cfg: AppConfig, run_dir: Path, prompts: list[Prompt]) -> None:
+    records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
+    order = {pid: i for i, (pid, _, _) in enumerate(prompts)}
+    records.sort(key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
+    write_records(run_dir / RESULTS, records)
+    summary = metrics.summarize(records)
+    write_summary(run_dir / SUMMARY, summary)
+    if cfg.run.mode == "benchmark":
+        bench = metrics.benchmark_table(records, cfg.run.methods)
+        write_benchmark(run_dir / BENCHMARK, bench)
+        print(format_benchmark(bench), flush=True)
+    else:
+        for m, s in summary.items():
+            acc = {k: round(v, 2) for k, v in s.mean_accepted_per_verification.items()}
+            print(
+                f"[pipespec_mpi] {m}: {s.n_prompts} prompts, {s.n_tokens} tokens, "
+                f"{s.ms_per_token:.2f} ms/token, {s.tokens_per_s:.1f} tokens/s, "
+                f"accepted/verification {acc}",
+                flush=True,
+            )
+    print(f"[pipespec_mpi] results in {run_dir}", flush=True)
+
+
+def format_benchmark(bench: Mapping[str, BenchmarkRow]) -> str:
+    lines = [f"{'method':<10}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"]
+    nan = math.nan
+    for m, row in bench.items():
+        pp = row.speedup_per_prompt
+        speedup = row.speedup if row.speedup is not None else nan
+        median, lo, hi = (pp.median, pp.min, pp.max) if pp is not None else (nan, nan, nan)
+        lines.append(
+            f"{m:<10}{row.ms_per_token:>10.2f}{row.tokens_per_s:>10.1f}{speedup:>9.2f}"
+            f"{median:>8.2f}{lo:>7.2f}{hi:>7.2f}"
+        )
+    return "\n".join(lines)

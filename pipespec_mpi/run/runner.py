@@ -1,0 +1,116 @@
+"""One job on one rank, start to end: set up (setup.py), plan the replica's jobs (jobs.py), drive
+the stage over them (``StageProcess`` + ``drive``, with the MPI gate and handoff of collect.py),
+then rank 0 writes the run's files (finalize.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipespec_mpi.comm.bootstrap import World, mpi
+from pipespec_mpi.comm.wait import StallError, wait_until
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.faults import maybe_fail
+from pipespec_mpi.run import setup
+from pipespec_mpi.run.collect import (
+    BarrierGate,
+    Collector,
+    LeaderHandoff,
+    RecordAssembler,
+    part_path,
+    progress_bar,
+)
+from pipespec_mpi.run.finalize import finalize
+from pipespec_mpi.run.jobs import Job, JobKey, done_jobs, plan_jobs, sampler_for
+from pipespec_mpi.speculative.verifiers import make_verifier
+from pipespec_mpi.stage.loop import StageLoop
+from pipespec_mpi.stage.process import StageProcess, drive
+from pipespec_mpi.topology import place
+
+
+class Runner:
+    def __init__(self, cfg: AppConfig, run_dir: Path, world: World) -> None:
+        self.cfg, self.run_dir, self.world = cfg, run_dir, world
+        self.comm = mpi().COMM_WORLD
+        self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
+
+    def run(self) -> None:
+        cfg, pl = self.cfg, self.pl
+        loaded = setup.load(cfg, self.world, pl)
+        links = setup.connect(cfg, self.world, pl, loaded)
+        loop = setup.stage_loop(cfg, pl, loaded, links)
+        jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
+        collector = None
+        if pl.is_last:
+            collector = Collector(
+                RecordAssembler(
+                    cfg, replica=pl.replica, transport=loaded.transport, decode=loaded.tokenizer.decode
+                ),
+                part=part_path(self.run_dir, pl.replica),
+                progress=progress_bar(cfg, pl, len(jobs)),
+            )
+        index = {job.seq: i for i, job in enumerate(jobs)}
+
+        def start(job: Job) -> None:
+            maybe_fail(self.world.rank, index[job.seq])
+            loaded.gpu_monitor.start()
+
+        handoff = LeaderHandoff(
+            links.replica_comm, pl.stage, pl.n_stages, gpu_monitor=loaded.gpu_monitor, on_record=collector
+        )
+        process = StageProcess(
+            loop, BarrierGate(links.replica_comm), handoff, jobs,
+            verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
+        )  # fmt: skip
+        try:
+            drive(process, cfg.run.stall_timeout_s)
+        except StallError as err:
+            raise StallError(f"{err}{self._culprits(links)}") from err
+        if collector is not None:
+            collector.close()
+        self._barrier(loop, "all replicas to finish")
+        if self.world.rank == 0:
+            finalize(cfg, self.run_dir, loaded.prompts)
+        self._barrier(loop, "rank 0 to write the summary")
+        # Graceful close only on success: after an error this rank aborts the job instead of
+        # waiting for peers that may never answer.
+        links.close(cfg.run.stall_timeout_s)
+
+    def _done(self) -> set[JobKey]:
+        """What a resumed run already finished, read by rank 0 for every rank (an unreadable
+        results file is raised on every rank, reported once)."""
+        done = err = None
+        if self.world.rank == 0 and self.cfg.run.resume:
+            try:
+                done = done_jobs(self.run_dir)
+            except UserError as e:
+                err = e
+        done, err = self.comm.bcast((done, err), root=0)
+        if err is not None:
+            err.collective = True
+            raise err
+        return done or set()
+
+    def _barrier(self, loop: StageLoop, what: str) -> None:
+        """A world barrier, waited for without spinning, taking in proposals (kept for their
+        prompt) and beating."""
+        req = self.comm.Ibarrier()
+
+        def passed() -> bool:
+            loop.pump()
+            return req.Test()
+
+        wait_until(passed, self.cfg.run.stall_timeout_s, what)
+
+    def _culprits(self, links: setup.Links) -> str:
+        """Which peers of this replica stopped answering, judged by their heartbeats."""
+        limit = self.cfg.run.stall_timeout_s / 2
+        stale = []
+        for s, r in enumerate(self.pl.replica_ranks()):
+            age = links.window.heartbeat_age_s(r)
+            if r != self.world.rank and age > limit:
+                name = self.cfg.hierarchy.stages[s].name
+                stale.append(
+                    f"rank {r} (stage {s}, {name}) stopped answering: last heartbeat {age:.0f} s ago"
+                )
+        return "; " + "; ".join(stale) if stale else "; no peer's heartbeat is stale (a slow forward?)"

@@ -1,0 +1,250 @@
+"""A rank's setup before its first job: placement (threads, GPUs, transport), the tokenizer and
+prompts every stage agrees on, its stage's model, the proposal channels and the epochs window,
+and the stage loop over them.
+
+Every function here that calls a collective is called by every rank in the same order
+(``Runner.run``): tokenizer fingerprints, prompts, vocabularies, hosts, communicators, window.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
+from pipespec_mpi.comm.channel import Receiver, Sender
+from pipespec_mpi.comm.wait import wait_until
+from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.data.datasets import DatasetError
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.run.jobs import Prompt, tokenize_prompts
+from pipespec_mpi.stage.loop import StageLoop, StageRole
+from pipespec_mpi.topology import Placement, device_for
+
+log = logging.getLogger("pipespec_mpi")
+
+
+class TokenizerMismatch(UserError):
+    pass
+
+
+class PromptTooLong(UserError):
+    pass
+
+
+class PerfClock:
+    """The stage's clock on a rank: ``time.perf_counter`` (one clock for the processes of a node)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+def resolve_transport(kind: str) -> str:
+    import torch
+
+    if kind != "auto":
+        return kind
+    return "nccl" if torch.cuda.is_available() else "mpi"
+
+
+def set_threads(threads: int | None, local_size: int) -> int:
+    import torch
+
+    mine = len(os.sched_getaffinity(0))
+    # A launcher that binds each rank to its own CPUs (srun --cpus-per-task) already gave us our
+    # share; otherwise the node's ranks split the CPUs they all see.
+    shared = mine >= (os.cpu_count() or mine)
+    n = threads or max(1, mine // local_size if shared else mine)
+    torch.set_num_threads(n)
+    return n
+
+
+@dataclass
+class Loaded:
+    """What a rank holds once loaded: where it runs, and what every stage agreed on."""
+
+    transport: str
+    threads: int
+    cuda_devices: list[int]
+    tokenizer: Any
+    prompts: list[Prompt]  # every rank has all of them (rank 0 tokenizes, broadcasts)
+    model: Any
+    vocab: int  # the widest logit row of the stages
+    gpu_monitor: Any  # GpuMonitor
+
+
+def load(cfg: AppConfig, world: World, pl: Placement) -> Loaded:
+    """Threads, GPUs and transport for this rank; the tokenizer (checked against every stage's);
+    the prompts; this stage's model (checked against the context and every stage's vocabulary)."""
+    import torch
+
+    from pipespec_mpi.gpu_monitor import GpuMonitor
+    from pipespec_mpi.models.loader import load_stage, load_tokenizer
+
+    comm = mpi().COMM_WORLD
+    stage_cfg = cfg.hierarchy.stages[pl.stage]
+    threads = set_threads(stage_cfg.threads, world.local_size)
+    transport = resolve_transport(cfg.transport.kind)
+    cuda_devices = device_for(
+        [s.n_gpus for s in cfg.hierarchy.stages], pl.stage, world.local_rank, torch.cuda.device_count()
+    )
+    if transport in ("gloo", "nccl"):
+        if transport == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError("transport.kind=nccl needs CUDA; use transport.kind=mpi or gloo on CPUs")
+        init_torch_distributed(world, transport, cfg.transport.iface)
+
+    tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+    check_tokenizers(cfg, pl, comm, tokenizer)
+    prompts = shared_prompts(cfg, comm, tokenizer)
+
+    t0 = time.perf_counter()
+    model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
+    log.info(
+        "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
+        *(pl.stage, stage_cfg.name, time.perf_counter() - t0, threads, transport),
+    )
+    check_context(cfg, pl, model, prompts)
+    vocab = agree_vocab(cfg, pl, comm, model, tokenizer)
+    return Loaded(
+        transport=transport,
+        threads=threads,
+        cuda_devices=cuda_devices,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        model=model,
+        vocab=vocab,
+        gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
+    )
+
+
+def shared_prompts(cfg: AppConfig, comm, tokenizer) -> list[Prompt]:
+    """Rank 0 loads and tokenizes the prompts and broadcasts them; a bad dataset is raised on
+    every rank (reported once)."""
+    prompts = err = None
+    if comm.Get_rank() == 0:
+        try:
+            prompts = tokenize_prompts(cfg, tokenizer)
+            if not prompts:
+                raise DatasetError(f"dataset {cfg.dataset.name!r} gave no prompts")
+        except UserError as e:  # reported by rank 0, raised on every rank
+            err = e
+    prompts, err = comm.bcast((prompts, err), root=0)
+    if err is not None:
+        err.collective = True
+        raise err
+    return prompts
+
+
+def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
+    """Every stage must use the hierarchy's token ids: compare tokenizer fingerprints."""
+    from pipespec_mpi.models.loader import stage_tokenizer, tokenizer_mismatches
+
+    st = stage_tokenizer(cfg.hierarchy, pl.stage)
+    mine = (pl.stage, cfg.hierarchy.stages[pl.stage].name, st.fingerprint() if st is not None else None)
+    bad = tokenizer_mismatches(tokenizer.fingerprint(), comm.allgather(mine))
+    if bad:
+        err = TokenizerMismatch("stages do not share one tokenizer: " + "; ".join(bad))
+        err.collective = True  # every rank saw the same gathered fingerprints
+        raise err
+
+
+def check_context(cfg: AppConfig, pl: Placement, model, prompts: list[Prompt]) -> None:
+    """The longest prompt plus max_new_tokens must fit the model's context."""
+    context = getattr(model, "max_context", None)
+    longest = max(len(ids) for _, ids, _ in prompts) + cfg.decode.max_new_tokens
+    if context is not None and longest > context:
+        name = cfg.hierarchy.stages[pl.stage].name
+        raise PromptTooLong(
+            f"stage {pl.stage} ({name}): the longest prompt plus max_new_tokens is {longest} "
+            f"tokens, more than the model's context of {context}; lower dataset.max_prompt_tokens "
+            "or max_new_tokens"
+        )
+
+
+def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer) -> int:
+    """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare; the
+    widest logit row."""
+    vocab = getattr(model, "vocab_size", None)
+    got = comm.allgather((pl.stage, cfg.hierarchy.stages[pl.stage].name, vocab))
+    widths = {v for _, _, v in got if v is not None}
+    if len(widths) > 1 and cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan":
+        raise TokenizerMismatch(f"sampling needs equal logit widths across stages, got {sorted(widths)}")
+    need = tokenizer.vocab_size
+    bad = [
+        f"stage {s} ({n}): model vocabulary {v} < tokenizer's {need}"
+        for s, n, v in got
+        if v is not None and v < need
+    ]
+    if bad:
+        raise TokenizerMismatch("model vocabularies too small: " + "; ".join(sorted(set(bad))))
+    return max(widths)
+
+
+@dataclass
+class Links:
+    """A rank's connections: proposal channels to its neighbours, its epochs window, and the
+    node's and the replica's communicators."""
+
+    sender: Sender | None
+    receiver: Receiver | None
+    window: EpochWindow | SharedEpochWindow
+    node_comm: Any
+    replica_comm: Any
+
+    def close(self, stall_timeout_s: float) -> None:
+        """Graceful close (after a successful run only: after an error the job is aborted)."""
+        wait = lambda c, w: wait_until(c, stall_timeout_s, w)  # noqa: E731
+        if self.sender is not None:
+            self.sender.close(wait)
+        if self.receiver is not None:
+            self.receiver.close(wait)
+        self.window.free()
+        self.replica_comm.Free()
+        self.node_comm.Free()
+
+
+def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Links:
+    """Proposal channels (with the distributions when Leviathan sampling), the epochs window
+    (shared memory when every pipeline is on one node, else passive-target RMA), communicators."""
+    MPI = mpi()
+    comm = MPI.COMM_WORLD
+    device = None
+    if loaded.transport == "nccl":
+        import torch
+
+        device = torch.device(f"cuda:{loaded.cuda_devices[0]}")
+    t = cfg.transport
+    # Leviathan sampling: each proposal carries the float32 distribution it was drawn from.
+    leviathan = cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan"
+    dist_width = loaded.vocab if leviathan else 0
+    width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
+    chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width)
+    sender = Sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
+    receiver = Receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
+    max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
+    # Every pipeline on one node (the usual case): a shared-memory window whose reads never
+    # wait for the owner. Pipelines spanning nodes: the passive-target RMA window.
+    hosts = comm.allgather(world.hostname)
+    local = all(hosts[r] == hosts[r - r % pl.n_stages] for r in range(len(hosts)))
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    if local and cfg.run.epochs_window != "rma":
+        window = SharedEpochWindow(node_comm, max_tokens, world.rank)
+    else:
+        window = EpochWindow(comm, max_tokens)
+    replica_comm = comm.Split(color=pl.replica, key=pl.stage)
+    return Links(
+        sender=sender, receiver=receiver, window=window, node_comm=node_comm, replica_comm=replica_comm
+    )
+
+
+def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links) -> StageLoop:
+    """This rank's stage loop over its model, window and channels, on the node's clock."""
+    role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
+    return StageLoop(
+        role, loaded.model, links.window, links.sender, links.receiver, PerfClock(), cfg.decode,
+        loaded.tokenizer.eos_token_id, vocab=loaded.vocab,
+    )  # fmt: skip
