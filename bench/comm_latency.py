@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from pipespec_mpi.comm.bootstrap import init_torch_distributed, world_info
-from pipespec_mpi.comm.channel import Receiver, Sender
+from pipespec_mpi.comm.channel import open_receiver, open_sender
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
 
@@ -47,8 +47,8 @@ def round_trip(transport: str, iters: int) -> float | None:
         import torch
 
         device = torch.device(f"cuda:{r}")
-    snd = Sender(transport, comm, peer, 8, 32, device)
-    rcv = Receiver(transport, comm, peer, 8, 32, device)
+    snd = open_sender(transport, comm, peer, 8, 32, device)
+    rcv = open_receiver(transport, comm, peer, 8, 32, device)
     toks = list(range(8))
     comm.Barrier()
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ only says how to allocate a buffer, start a send or receive, and test it:
 
 The receiver keeps ``depth`` receives posted ahead and takes them in posting order (MPI, gloo and
 NCCL all keep point-to-point order per sender), so a stage never blocks on its upstream.
-``Sender(transport, ...)`` and ``Receiver(transport, ...)`` build the transport's classes.
+``open_sender(transport, ...)`` and ``open_receiver(transport, ...)`` build the transport's classes.
 """
 
 from __future__ import annotations
@@ -108,37 +108,14 @@ class _SendRing:
         return all(self._free(i) for i in range(len(self.bufs)))
 
 
-class _ByTransport(type):
-    """Calling a base class that names its transports (``Sender``, ``Receiver``) builds the class
-    of the transport named by the first argument: ``Sender("gloo", comm, peer, ...)`` is
-    ``GlooSender(comm, peer, ...)``. The transport classes are called directly as usual."""
-
-    def __call__(cls, *args, **kwargs):
-        table = cls.__dict__.get("transports")
-        if table is None:
-            return super().__call__(*args, **kwargs)
-        if "transport" in kwargs:
-            transport = kwargs.pop("transport")
-        else:
-            transport, *args = args
-        if transport not in table:
-            raise ValueError(f"unknown transport {transport!r}: one of {', '.join(table)}")
-        return table[transport](*args, **kwargs)
-
-
 # ---------------------------------------------------------------------------------------------
 # sending
 
 
-class Sender(metaclass=_ByTransport):
+class Sender:
     """Downstream side of a link (owned by the proposing stage): chunks tokens into messages and
     keeps the ring of send buffers. A transport supplies ``_new_buffer``, ``_host``, ``_start``
-    and ``_done``.
-
-    ``Sender(transport, comm, peer, depth, max_msg_tokens, device=None, dist_width=0)`` builds
-    the transport's class (``transports``: mpi, gloo, nccl)."""
-
-    transports: dict[str, type[Sender]]
+    and ``_done``; ``open_sender`` builds the transport's class."""
 
     def __init__(
         self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
@@ -270,14 +247,10 @@ class NcclSender(_TorchSender):
 # receiving
 
 
-class Receiver(metaclass=_ByTransport):
+class Receiver:
     """Upstream side of a link (owned by the verifying stage): ``depth`` receives posted ahead,
-    taken in posting order; ``closed`` counts the close messages seen.
-
-    ``Receiver(transport, comm, peer, depth, max_msg_tokens, device=None, dist_width=0)`` builds
-    the transport's class (``transports``: mpi, gloo, nccl)."""
-
-    transports: dict[str, type[Receiver]]
+    taken in posting order; ``closed`` counts the close messages seen; ``open_receiver`` builds
+    the transport's class."""
 
     def __init__(
         self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
@@ -449,5 +422,25 @@ class GlooReceiver(Receiver):
 # ---------------------------------------------------------------------------------------------
 # one class per transport, by name
 
-Sender.transports = {"mpi": MpiSender, "gloo": GlooSender, "nccl": NcclSender}
-Receiver.transports = {"mpi": MpiReceiver, "gloo": GlooReceiver, "nccl": NcclReceiver}
+SENDERS: dict[str, type[Sender]] = {"mpi": MpiSender, "gloo": GlooSender, "nccl": NcclSender}
+RECEIVERS: dict[str, type[Receiver]] = {"mpi": MpiReceiver, "gloo": GlooReceiver, "nccl": NcclReceiver}
+
+
+def _transport_class(table: dict, transport: str) -> type:
+    if transport not in table:
+        raise ValueError(f"unknown transport {transport!r}: one of {', '.join(table)}")
+    return table[transport]
+
+
+def open_sender(
+    transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+) -> Sender:
+    """The sending side of a link to ``peer`` over ``transport`` (mpi, gloo, nccl)."""
+    return _transport_class(SENDERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width)
+
+
+def open_receiver(
+    transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+) -> Receiver:
+    """The receiving side of a link from ``peer`` over ``transport`` (mpi, gloo, nccl)."""
+    return _transport_class(RECEIVERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
-from pipespec_mpi.comm.channel import Receiver, Sender
+from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
 from pipespec_mpi.config import AppConfig
@@ -223,8 +223,8 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Link
     dist_width = loaded.vocab if leviathan else 0
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
     chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width)
-    sender = Sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
-    receiver = Receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
+    sender = open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
+    receiver = open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
     # Every pipeline on one node (the usual case): a shared-memory window whose reads never
     # wait for the owner. Pipelines spanning nodes: the passive-target RMA window.

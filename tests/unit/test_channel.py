@@ -28,6 +28,8 @@ from pipespec_mpi.comm.channel import (
     buffer_words,
     decode,
     encode,
+    open_receiver,
+    open_sender,
     used_words,
 )
 from pipespec_mpi.comm.wait import wait_until
@@ -192,8 +194,8 @@ def make_link(transport: str, depth: int, width: int, dist_width: int = 0):
 
         comm = MPI.COMM_SELF
     device = torch.device("cpu") if transport == "nccl" else None
-    rcv = Receiver(transport, comm, 0, depth, width, device, dist_width)
-    snd = Sender(transport, comm, 0, depth, width, device, dist_width)
+    rcv = open_receiver(transport, comm, 0, depth, width, device, dist_width)
+    snd = open_sender(transport, comm, 0, depth, width, device, dist_width)
     return snd, rcv
 
 
@@ -240,19 +242,19 @@ def test_sender_and_receiver_build_the_transport_classes(loopback):
         assert type(snd) is s_cls and type(rcv) is r_cls
         assert isinstance(snd, Sender) and isinstance(rcv, Receiver)
         close_link(snd, rcv)
-    # the transport classes are called without the name; the name may come as a keyword
+    # the transport classes are called without the name; open_sender takes it as a keyword too
     rcv = MpiReceiver(MPI.COMM_SELF, 0, 1, 4)
-    snd = Sender(transport="mpi", comm=MPI.COMM_SELF, peer=0, depth=1, max_msg_tokens=4)
+    snd = open_sender(transport="mpi", comm=MPI.COMM_SELF, peer=0, depth=1, max_msg_tokens=4)
     assert type(snd) is MpiSender and (snd.depth, snd.width, snd.dist_width) == (1, 4, 0)
     close_link(snd, rcv)
     with pytest.raises(ValueError, match="unknown transport 'tcp'"):
-        Sender("tcp", MPI.COMM_SELF, 0, 2, 4)
+        open_sender("tcp", MPI.COMM_SELF, 0, 2, 4)
     with pytest.raises(ValueError, match="unknown transport 'shm'"):
-        Receiver("shm", MPI.COMM_SELF, 0, 2, 4)
+        open_receiver("shm", MPI.COMM_SELF, 0, 2, 4)
     with pytest.raises(ValueError, match="CUDA device"):
-        Sender("nccl", None, 0, 2, 4)
+        open_sender("nccl", None, 0, 2, 4)
     with pytest.raises(ValueError, match="CUDA device"):
-        Receiver("nccl", None, 0, 2, 4, dist_width=3)
+        open_receiver("nccl", None, 0, 2, 4, dist_width=3)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -312,7 +314,7 @@ def test_gloo_send_works_are_waited_once(loopback):
 
 def test_gloo_receive_failure_surfaces_on_poll(loopback):
     loopback.fail_recv = True
-    rcv = Receiver("gloo", None, 0, 2, 4)
+    rcv = open_receiver("gloo", None, 0, 2, 4)
     rcv.thread.join(5)
     with pytest.raises(RuntimeError, match="gloo receive from rank 0 failed"):
         rcv.poll()
