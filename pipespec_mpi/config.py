@@ -18,6 +18,8 @@ names every offending value, so a typo never reaches a rank's model loader.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,11 +222,36 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def unknown_keys(tree: object, cls: type, where: str = "") -> list[str]:
+    """Keys of a plain config tree that ``cls`` has no field for (Hydra's ``+key=value`` adds a
+    key even to a schema node, and building the dataclass would silently drop it)."""
+    if not isinstance(tree, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    out = []
+    for key, value in tree.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            out.append(f"{path}: unknown key (known: {known})")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            out += unknown_keys(value, hint, path)
+        elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            for i, item in enumerate(value or []):
+                out += unknown_keys(item, typing.get_args(hint)[0], f"{path}[{i}]")
+    return out
+
+
 def load_config(cfg) -> AppConfig:
     """The composed Hydra tree (a DictConfig on ``app_schema``) as typed, validated config."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    problems = unknown_keys(OmegaConf.to_container(cfg, resolve=False), AppConfig)
+    if problems:
+        raise ConfigError(problems)
     try:
         app = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:  # a required value left unset (``???``)

@@ -84,6 +84,15 @@ def test_unknown_keys_and_wrong_types_are_rejected_while_composing(override):
         compose_config([override])
 
 
+@pytest.mark.parametrize(
+    "override,needle",
+    [("+run.typo_key=1", "run.typo_key"), ("+hierarchy.stages.0.layerz=2", "stages[0].layerz")],
+)
+def test_keys_added_with_plus_are_rejected_too(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        compose_config([override])
+
+
 def test_a_required_file_is_named():
     with pytest.raises(ConfigError, match="dataset.path"):
         compose_config(["dataset=jsonl"])
