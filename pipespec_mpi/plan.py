@@ -43,6 +43,7 @@ from pathlib import Path
 
 from pipespec_mpi import simulate as sim
 from pipespec_mpi.config import CONF_DIR, METHODS, DecodeConfig, StageConfig, compose_config
+from pipespec_mpi.records import Record
 from pipespec_mpi.simulate.calibration import calibrate, load_records
 from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES
 
@@ -140,9 +141,9 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     """Profiles, adjacent-pair rates and latencies measured in a run (its PipeSpec records if
     any, else SD, else AR)."""
     recs = load_records(run_dir)
-    by: dict[str, list[dict]] = {}
+    by: dict[str, list[Record]] = {}
     for r in recs:
-        by.setdefault(r["method"], []).append(r)
+        by.setdefault(r.method, []).append(r)
     method = next((m for m in ("pipespec", "sd", "ar") if m in by), None)
     if method is None:
         raise ValueError(f"{run_dir}: no records")
@@ -150,7 +151,7 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     names = [p.name for p in cal.profiles]
     models = {p.name: p for p in cal.profiles}
     rates = {(a, b): r for a, b, r in zip(names, names[1:], cal.rates)}
-    hier = by[method][0].get("hierarchy")
+    hier = by[method][0].hierarchy
     lat = sum(cal.down_latency_s) / len(cal.down_latency_s) if cal.down_latency_s else 0.0
     up = sum(cal.up_latency_s) / len(cal.up_latency_s) if cal.up_latency_s else None
     return PlanInputs(

@@ -93,15 +93,6 @@ class Record:
         """The record of a decoded JSON line; ``_Malformed`` says what does not fit."""
         return _load(cls, obj, "record", {"stages": _stage_list})
 
-    # For callers not yet ported to attributes (simulate/cli.py, plan.py): read-only dict access.
-    def __getitem__(self, key: str) -> Any:
-        if key not in _field_names(type(self)):
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in _field_names(type(self)) else default
-
 
 def _stage_list(value: Any, where: str) -> list[StageStats]:
     if not isinstance(value, list):
@@ -318,11 +309,6 @@ def _list(v: Any, where: str) -> list:
     if not isinstance(v, list):
         raise _Malformed(f"{where}: expected a list, got {type(v).__name__}")
     return v
-
-
-@cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 @cache

@@ -66,9 +66,9 @@ def calibration_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
     rows = []
     for d in run_dirs:
         recs = load_records(d)
-        hier = (recs[0].get("hierarchy") or f"{len(recs[0]['stages'])} stages") if recs else "?"
-        look = sorted({int(r.get("lookahead") or 0) for r in recs if r["method"] != "ar"})
-        tokens = max((int(r.get("max_new_tokens") or 0) for r in recs), default=0)
+        hier = (recs[0].hierarchy or f"{len(recs[0].stages)} stages") if recs else "?"
+        look = sorted({r.lookahead or 0 for r in recs if r.method != "ar"})
+        tokens = max((r.max_new_tokens for r in recs), default=0)
         for m, r in predict_run(d, **kw).items():
             rows.append({"run": Path(d).name, "hierarchy": hier, "lookahead": look, "max_new_tokens": tokens,
                          "method": m, **r})  # fmt: skip

@@ -64,11 +64,6 @@ def test_a_record_round_trips_through_a_file(tmp_path: Path) -> None:
     assert list(line) == [f.name for f in fields(Record)]
     assert list(line["stages"][0]) == [f.name for f in fields(StageStats)]
     assert Record.from_json(line) == recs[0] and recs[0].to_json() == line
-    # read-only dict access, for callers not yet ported to attributes
-    assert recs[0]["method"] == "pipespec" and recs[1].get("lookahead", 5) is None
-    assert recs[0].get("not_a_field", 5) == 5
-    with pytest.raises(KeyError):
-        recs[0]["not_a_field"]
 
 
 def _lines(path: Path, objs: list) -> Path:
