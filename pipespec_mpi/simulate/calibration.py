@@ -287,7 +287,7 @@ def _lookup_chain_rate(recs: Sequence[Record]) -> float | None:
             return None  # (SD: the drafter proposes only what the verifier asks for)
         p = len(rec.prompt_ids)
         cap = rec.n_new_tokens
-        bound = rec.max_run_ahead or 16
+        bound = rec.max_run_ahead or DecodeConfig.max_run_ahead
         down = _committed_series(rec, 1)
         down_t = [t for t, _ in down]
         dr = [e for e in _stage_events(rec, 0) if e[2] == "draft"]
@@ -473,8 +473,8 @@ def simulate_record(
     rec: Record,
     cal: Calibration,
     use_traces: bool = True,
-    max_run_ahead: int = 16,
-    max_verify: int = 16,
+    max_run_ahead: int = DecodeConfig.max_run_ahead,
+    max_verify: int = DecodeConfig.max_verify,
     seed: int = 0,
     blocking_reads: bool = False,
 ) -> SimResult:
@@ -527,8 +527,8 @@ def predict_run(
     run_dir: str | Path,
     scope: str = "method",
     use_traces: bool = True,
-    max_run_ahead: int = 16,
-    max_verify: int = 16,
+    max_run_ahead: int = DecodeConfig.max_run_ahead,
+    max_verify: int = DecodeConfig.max_verify,
     blocking_reads: bool = False,
     seeds: Sequence[int] = (0, 1, 2, 3),
 ) -> dict[str, dict]:

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.calibration import load_records, predict_run
 from pipespec_mpi.simulate.paper import (
     PAPER_PIPESPEC_LOOKAHEAD,
@@ -110,11 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="paper: PipeSpec lookahead")  # fmt: skip
     ap.add_argument("--sd-window", type=int, default=PAPER_SD_WINDOW, help="paper: SD window")
     ap.add_argument("--blocking-reads", action="store_true",
-                    help="header reads wait for a computing stage (the old MPI RMA window): "
-                         "paper: simulate it; runs: records made before SharedEpochWindow")  # fmt: skip
+                    help="header reads wait for a computing stage (the RMA epochs window, "
+                         "run.epochs_window=rma): paper: simulate it; runs: records made so")  # fmt: skip
     ap.add_argument("--max-run-ahead", type=int, default=None,
-                    help="default: 64 for the paper (uncapped reference), 16 for runs")  # fmt: skip
-    ap.add_argument("--max-verify", type=int, default=None, help="default: as --max-run-ahead")
+                    help="default: 64 for the paper (uncapped reference); runs: each record's own, "
+                         "else decode.max_run_ahead's default")  # fmt: skip
+    ap.add_argument("--max-verify", type=int, default=None,
+                    help="default: as --max-run-ahead for the paper; runs: each record's own, "
+                         "else decode.max_verify's default")  # fmt: skip
     ap.add_argument("--scope", choices=["method", "record"], default="method",
                     help="runs: one calibration per method, or per record")  # fmt: skip
     ap.add_argument("--iid", action="store_true",
@@ -139,11 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(json.dumps(rows, indent=2) if a.json else format_paper_table(rows))
             return 0
-        cap = a.max_run_ahead or 16
+        caps = {"max_run_ahead": a.max_run_ahead or DecodeConfig.max_run_ahead,
+                "max_verify": a.max_verify or DecodeConfig.max_verify}  # fmt: skip
         if a.calibration:
-            rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid, max_run_ahead=cap,
-                                    max_verify=a.max_verify or cap,
-                                    blocking_reads=a.blocking_reads)  # fmt: skip
+            rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid,
+                                    blocking_reads=a.blocking_reads, **caps)  # fmt: skip
             print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
             if a.plot:
                 from pipespec_mpi.plots import simulator_calibration
@@ -154,9 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.run_dir,
             scope=a.scope,
             use_traces=not a.iid,
-            max_run_ahead=cap,
-            max_verify=a.max_verify or cap,
             blocking_reads=a.blocking_reads,
+            **caps,
         )
     except (OSError, ValueError, KeyError) as err:
         print(f"pipespec_mpi.simulate: {err}", file=sys.stderr)
