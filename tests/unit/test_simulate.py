@@ -211,7 +211,8 @@ def _as_run(tmp: Path, results: list[SimResult], prompt_len: int, look: int, clo
             prompt_id=f"p{i}", replica=0, method=r.method, warmup=False, seq=i + 1,
             prompt_ids=[1] * prompt_len, output_ids=list(r.tokens), text="", n_new_tokens=r.n_tokens,
             finish_reason="length", wall_s=r.wall_s, ms_per_token=r.ms_per_token, ttft_s=0.0,
-            lookahead=look, max_new_tokens=r.n_tokens, transport="sim", hierarchy="sim",
+            lookahead=look, max_run_ahead=DecodeConfig.max_run_ahead, max_verify=DecodeConfig.max_verify,
+            max_new_tokens=r.n_tokens, transport="sim", hierarchy="sim",
             models=[s.model for s in r.stages], stages=stages,
         ))  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
@@ -225,7 +226,7 @@ def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True) -> Pat
     results = []
     for method, look in (("ar", 0), ("sd", 3), ("pipespec", 2)):
         for seed in range(3):
-            dec = DecodeConfig(lookahead=look, max_new_tokens=64, max_run_ahead=16, sd_window=None)
+            dec = DecodeConfig(lookahead=look, max_new_tokens=64, sd_window=None)
             c = SimConfig(method=method, decode=dec, prompt_len=40, latency_s=0.4 * MS,
                           blocking_reads=blocking, record_timeline=True, seed=seed)  # fmt: skip
             results.append(simulate([draft, target], [0.75], c))
