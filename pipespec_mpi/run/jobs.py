@@ -48,7 +48,7 @@ def sampler_for(cfg: AppConfig, job: Job) -> Sampler:
     method and every rerun of the same sample draws the same tokens."""
     s = cfg.sampling
     key = mix(s.seed, zlib.crc32(job.prompt_id.encode()), job.sample_idx)
-    return Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, key=key, coupling=s.coupling)
+    return Sampler(s, key)
 
 
 def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[JobKey]) -> list[Job]:

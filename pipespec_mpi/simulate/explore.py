@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.comm.window import Header
-from pipespec_mpi.config import DecodeConfig, validate_decode
+from pipespec_mpi.config import DecodeConfig, SamplingConfig, validate_decode
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.speculative.sampling import Sampler, mix
@@ -144,7 +144,9 @@ class Scenario:
         if self.rule == "greedy":
             return Sampler()
         key = mix(self.seed, seq)
-        return Sampler(temperature=self.temperature, top_k=self.top_k, key=key, coupling=self.rule)
+        return Sampler(
+            SamplingConfig(temperature=self.temperature, top_k=self.top_k, coupling=self.rule), key
+        )
 
 
 # Fixed configurations, explored under every schedule the seeds draw. "slurm-sweep" is the job of

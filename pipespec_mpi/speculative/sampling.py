@@ -36,38 +36,46 @@ Temperature 0 is greedy decoding (no noise).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pipespec_mpi.config import SamplingConfig
 
 _MASK = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class Sampler:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    key: int = 0  # (seed, prompt, sample index) mixed into one integer by the runner
-    coupling: str = "leviathan"  # leviathan | gumbel
+    """A job's sampling: the rule (``SamplingConfig``: temperature, top-k, top-p, coupling) and
+    the key of its noise, (seed, prompt, sample index) mixed into one integer by the runner."""
+
+    rule: SamplingConfig = field(default_factory=SamplingConfig)
+    key: int = 0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.rule.temperature <= 0.0
 
     @property
     def leviathan(self) -> bool:
-        return not self.greedy and self.coupling == "leviathan"
+        return not self.greedy and self.rule.coupling == "leviathan"
+
+    @property
+    def coupling(self) -> str:
+        return self.rule.coupling
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """p [n, V] (float64) after temperature / top-k / top-p."""
-        return processed_logprobs(logits, self.temperature, self.top_k, self.top_p).exp()
+        r = self.rule
+        return processed_logprobs(logits, r.temperature, r.top_k, r.top_p).exp()
 
     def tokens(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
         """The stage's choice at positions first_position.. for logits [n, V] -> ids [n]."""
         if self.greedy:
             return torch.argmax(logits, dim=-1)
-        logp = processed_logprobs(logits, self.temperature, self.top_k, self.top_p)
+        r = self.rule
+        logp = processed_logprobs(logits, r.temperature, r.top_k, r.top_p)
         noise = torch.stack(
             [gumbel(self.key, first_position + i, logits.shape[-1]) for i in range(logits.shape[0])]
         )

@@ -8,6 +8,7 @@ import torch
 
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.comm.wait import StallError
+from pipespec_mpi.config import SamplingConfig
 from pipespec_mpi.speculative.sampling import Sampler
 from pipespec_mpi.speculative.verifiers import AcceptAll, Greedy, Gumbel, Leviathan, make_verifier
 from pipespec_mpi.stage.loop import Mailbox, Step
@@ -61,8 +62,8 @@ def test_drive_keeps_going_while_something_moves(monkeypatch):
 
 def test_rules_by_sampler():
     assert isinstance(make_verifier(Sampler(), 0), Greedy)
-    assert isinstance(make_verifier(Sampler(temperature=1.0, coupling="gumbel"), 0), Gumbel)
-    lev = make_verifier(Sampler(temperature=1.0), 1)
+    assert isinstance(make_verifier(Sampler(SamplingConfig(temperature=1.0, coupling="gumbel")), 0), Gumbel)
+    lev = make_verifier(Sampler(SamplingConfig(temperature=1.0)), 1)
     assert isinstance(lev, Leviathan) and lev.carries_dists and not lev.resendable
 
 
@@ -77,7 +78,7 @@ def test_greedy_verification_accepts_its_own_argmax_prefix():
 def test_leviathan_returns_the_distribution_of_every_committed_token():
     torch.manual_seed(0)
     logits = torch.randn(3, 6)
-    lev = Leviathan(Sampler(temperature=1.0, key=5), 1)
+    lev = Leviathan(Sampler(SamplingConfig(temperature=1.0), key=5), 1)
     q = [np.full(6, 1 / 6, dtype=np.float32)] * 2
     c = lev.verify([2, 4], q, logits, 0)
     assert len(c.dists) == c.verdict.n_accepted + 1
