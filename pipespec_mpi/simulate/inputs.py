@@ -6,7 +6,7 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pipespec_mpi.config import METHODS, DecodeConfig
+from pipespec_mpi.config import METHODS, DecodeConfig, StageConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LatencyProfile:
     prefill_base_s: float = 0.0
     prefill_per_token_s: float = 0.0
     kind: str = "model"
-    max_proposal: int = 8
+    max_proposal: int = StageConfig.max_proposal  # as a prompt-lookup stage proposes
     lookup_hit_rate: float = 1.0
     lookup_chain_rate: float | None = None
 
