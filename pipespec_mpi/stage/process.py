@@ -5,7 +5,7 @@ For every job: reset the stage's header for the prompt, pass the replica's start
 While it waits at the gate or for the handoff it keeps taking in proposals (an upstream that passed
 the gate first may already send for the new prompt) and keeps its heartbeat fresh.
 
-The gate and the handoff are ports: MPI (runner.py: a non-blocking barrier, stats sent to the
+The gate and the handoff are ports: MPI (run/collect.py: a non-blocking barrier, stats sent to the
 leader) or the schedule explorer's (simulate/explore.py: released and delivered when its schedule
 says). ``drive`` runs any steppable on a real clock.
 """
