@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipespec_mpi.comm.bootstrap import (
     abort,
+    abort_job,
     check_singletons,
     shutdown_torch_distributed,
     world_info,
@@ -104,13 +105,7 @@ def user_error(exc: BaseException, world) -> None:
             sys.stderr.flush()
         MPI.COMM_WORLD.Barrier()
         os._exit(2)
-    sys.stderr.write(f"[pipespec_mpi] error on rank {world.rank}: {exc}\n")
-    sys.stderr.flush()
-    time.sleep(0.5)  # let mpirun forward the message before the abort kills the job
-    try:
-        MPI.COMM_WORLD.Abort(2)
-    finally:
-        os._exit(2)  # MPICH's Abort may return before the process manager kills us
+    abort_job(f"[pipespec_mpi] error on rank {world.rank}: {exc}\n", code=2)
 
 
 def main() -> None:

@@ -8,9 +8,11 @@ address it may not be able to use); across nodes it uses the interface the user 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -119,9 +121,25 @@ def shutdown_torch_distributed() -> None:
 def abort(exc: BaseException, where: str) -> None:
     """Print this rank's error and bring the whole job down (never leave peers hanging)."""
     msg = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    sys.stderr.write(f"\n[pipespec_mpi] FATAL on {where}:\n{msg}\n")
+    abort_job(f"\n[pipespec_mpi] FATAL on {where}:\n{msg}\n", code=1)
+
+
+def abort_job(message: str, code: int) -> None:
+    """Write ``message`` to stderr and this rank's log, then abort every rank with ``code``.
+
+    The pause before the abort lets mpirun forward the message: Hydra tears the proxies down on
+    an abort, and output still in their pipes is lost with them (a CI run once kept only rank 0's
+    first log line of a stall report). The rank's log file keeps the message either way.
+    """
+    sys.stderr.write(message)
     sys.stderr.flush()
+    record = logging.LogRecord("pipespec_mpi", logging.ERROR, __file__, 0, message.strip(), None, None)
+    for handler in logging.getLogger().handlers:  # the file only: the console already has it
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+            handler.flush()
+    time.sleep(1.0)
     try:
-        mpi().COMM_WORLD.Abort(1)
+        mpi().COMM_WORLD.Abort(code)
     finally:
-        os._exit(1)
+        os._exit(code)  # MPICH's Abort may return before the process manager kills us

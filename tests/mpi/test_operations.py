@@ -82,13 +82,16 @@ def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
     assert proc.returncode != 0
     assert elapsed < 90, f"took {elapsed:.0f} s"
     out = proc.stdout + proc.stderr
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()}" for p in sorted(tmp_path.glob("rank*.log")))
+    why = f"exit {proc.returncode}\n{out}{logs}"
     if fault.startswith("raise"):
-        assert "FATAL on rank 1" in out and "InjectedFault" in out
+        assert "FATAL on rank 1" in out and "InjectedFault" in out, why
+        assert "InjectedFault" in (tmp_path / "rank1.log").read_text(), why  # kept in its log too
     elif fault.startswith("hang"):
-        assert "no progress" in out
-        assert "rank 0 (stage 0, tiny-draft-1L) stopped answering" in out
+        assert "no progress" in out, why
+        assert "rank 0 (stage 0, tiny-draft-1L) stopped answering" in out, why
     else:
-        assert "KILLED" in out or "signal 9" in out.lower() or "BAD TERMINATION" in out
+        assert "KILLED" in out or "signal 9" in out.lower() or "BAD TERMINATION" in out, why
 
 
 @pytest.mark.parametrize(
