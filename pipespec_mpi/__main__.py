@@ -57,22 +57,47 @@ def app(cfg: DictConfig) -> None:
     world = current_world()
     try:
         typed = load_config(cfg)
-        check_world(world.size, typed.hierarchy.n_stages)
+        if not typed.hierarchy.choose:  # a plan's stages are checked once it is chosen
+            check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         logger = logging.getLogger("pipespec_mpi")
         logger.setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
-        stage = world.rank % typed.hierarchy.n_stages
         logger.filters.clear()
-        logger.addFilter(StageTag(f"replica {world.rank // typed.hierarchy.n_stages} stage {stage}"))
-        from pipespec_mpi.run import Runner
-
-        Runner(typed, run_dir, world).run()
+        if typed.hierarchy.choose:
+            run_auto(typed, run_dir, world, logger)
+        else:
+            run(typed, run_dir, world, logger)
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
         from pipespec_mpi.errors import UserError
 
         if isinstance(exc, UserError):
             user_error(exc, world)
         abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
+
+
+def run(cfg, run_dir: Path, world, logger: logging.Logger) -> None:
+    from pipespec_mpi.run import Runner
+
+    n = cfg.hierarchy.n_stages
+    logger.addFilter(StageTag(f"replica {world.rank // n} stage {world.rank % n}"))
+    Runner(cfg, run_dir, world).run()
+
+
+def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> None:
+    """``hierarchy=auto``: plan (run/auto_job.py), run the plan on the ranks it uses; every rank
+    leaves together."""
+    from pipespec_mpi.run import auto_job
+
+    job = auto_job.resolve(cfg, world)
+    if world.rank == 0:
+        auto_job.write_plan(run_dir, job.record)
+    if job.world is not None:
+        check_world(job.world.size, job.cfg.hierarchy.n_stages)
+        run(job.cfg, run_dir, job.world, logger)
+        if job.world.rank == 0:
+            auto_job.add_measured(run_dir, job.record)
+        job.world.comm.Free()
+    auto_job.wait_for_job_end(world.comm)
 
 
 class StageTag(logging.Filter):

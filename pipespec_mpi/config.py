@@ -103,10 +103,16 @@ class TokenizerConfig:
 
 @dataclass
 class HierarchyConfig:
-    """The stages, smallest first (conf/hierarchy/<name>.yaml), and their shared tokenizer."""
+    """The stages, smallest first (conf/hierarchy/<name>.yaml), and their shared tokenizer.
+
+    ``choose``: the stages are candidates (``hierarchy=auto``): the job measures them on the
+    machine at hand and runs the sub-pipeline ending with the last stage that the planner predicts
+    fastest, or the last stage alone (pipespec_mpi/auto/, ``AutoConfig``).
+    """
 
     name: str
     stages: tuple[StageConfig, ...]
+    choose: bool = False
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     tiny: TinyBaseConfig = field(default_factory=TinyBaseConfig)
 
@@ -197,6 +203,26 @@ class RunConfig:
 
 
 @dataclass
+class AutoConfig:
+    """How ``hierarchy=auto`` measures and chooses (pipespec_mpi/auto/). The measurements are
+    cached per machine fingerprint (forward costs) and per prompt set (agreement), so a later job
+    on the same kind of node plans without measuring again."""
+
+    replicas: int = 1  # pipelines the job runs; each may use up to world_size / replicas ranks
+    calibration_prompts: int = 2  # the job's first prompts, decoded by the target alone
+    calibration_tokens: int = 48  # tokens of each (agreement is counted along them)
+    token_counts: tuple[int, ...] = (1, 2, 4, 8, 16)  # forward sizes timed per stage
+    repeats: int = 5  # timed forwards per size (the median is kept)
+    margin: float = 0.05  # speculation must be predicted this much faster than AR, else AR
+    max_stages: int = 4
+    cache_dir: str | None = None  # None: $PIPESPEC_CACHE_DIR or ~/.cache/pipespec_mpi
+    force: bool = False  # measure again even when the cache has this machine and prompt set
+
+    def __post_init__(self) -> None:
+        self.token_counts = tuple(self.token_counts)
+
+
+@dataclass
 class AppConfig:
     hierarchy: HierarchyConfig
     method: str = "pipespec"  # ar | sd | pipespec (run.mode=single)
@@ -205,6 +231,7 @@ class AppConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,6 +386,22 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"run.epochs_window={r.epochs_window!r}: must be auto or rma")
     if r.stall_timeout_s <= 0:
         p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
+
+    a = cfg.auto
+    if not _int(a.replicas) or a.replicas < 1:
+        p.append(f"auto.replicas={a.replicas}: must be an integer >= 1")
+    if not _int(a.calibration_prompts) or a.calibration_prompts < 1:
+        p.append(f"auto.calibration_prompts={a.calibration_prompts}: must be an integer >= 1")
+    if not _int(a.calibration_tokens) or a.calibration_tokens < 8:
+        p.append(f"auto.calibration_tokens={a.calibration_tokens}: must be an integer >= 8")
+    if not a.token_counts or any(not _int(n) or n < 1 for n in a.token_counts) or 1 not in a.token_counts:
+        p.append(f"auto.token_counts={list(a.token_counts)}: positive integers, 1 among them")
+    if not _int(a.repeats) or a.repeats < 1:
+        p.append(f"auto.repeats={a.repeats}: must be an integer >= 1")
+    if a.margin < 0:
+        p.append(f"auto.margin={a.margin}: must be >= 0")
+    if not _int(a.max_stages) or a.max_stages < 1:
+        p.append(f"auto.max_stages={a.max_stages}: must be an integer >= 1")
     return p
 
 

@@ -3,6 +3,8 @@
   python -m pipespec_mpi.plan                      # the paper's models (simulate/paper.py)
   python -m pipespec_mpi.plan --config plan.yaml   # your latency profiles and acceptance rates
   python -m pipespec_mpi.plan --from RUN_DIR       # profiles and rates measured in a run
+  python -m pipespec_mpi.plan --measure [--force] [--ranks 3] [OVERRIDES]
+                                                   # measure here, as hierarchy=auto does
 
 It searches hierarchies (every ordered choice of distinct drafters in front of the target: subsets
 and orderings of the available models), SD windows and PipeSpec lookaheads, simulates each with
@@ -343,6 +345,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     src.add_argument("--config", help="a plan config (YAML or JSON)")
     src.add_argument("--from", dest="run_dir", help="a run directory: use its measured profiles")
     src.add_argument("--preset", choices=["paper"], help="the paper's models (the default)")
+    src.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the candidate stages on this machine and choose, as hierarchy=auto does "
+        "(Hydra overrides after the options; default hierarchy=auto)",
+    )
+    ap.add_argument("--force", action="store_true", help="with --measure: ignore the cache")
+    ap.add_argument("--ranks", type=int, default=3, help="with --measure: the job's world size")
+    ap.add_argument("overrides", nargs="*", help="with --measure: Hydra overrides")
     ap.add_argument("--max-stages", type=int, default=3)
     ap.add_argument("--lookaheads", default="0,1,2,4,8", help="PipeSpec lookaheads to try")
     ap.add_argument("--sd-windows", default="1,2,3,4,6,8", help="SD windows to try")
@@ -360,6 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=3, help="configurations shown per method")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.overrides and not a.measure:
+        ap.error(f"overrides {a.overrides} are for --measure")
+    if a.measure:
+        return measure_main(a.overrides, a.ranks, a.force)
     try:
         if a.config:
             inp = load_plan_config(a.config)
@@ -400,6 +415,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(table(picked, inp))
+    return 0
+
+
+def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
+    """``--measure``: what ``mpirun -n RANKS python -m pipespec_mpi OVERRIDES`` with
+    ``hierarchy=auto`` would measure and choose here, printed, with the command that runs it."""
+    import os
+
+    from pipespec_mpi.auto.calibrate import Node, calibrate
+    from pipespec_mpi.auto.choose import table as plan_table
+    from pipespec_mpi.errors import UserError
+    from pipespec_mpi.models.loader import load_tokenizer
+    from pipespec_mpi.run.jobs import tokenize_prompts
+
+    overrides = list(overrides)
+    if not any(o.startswith("hierarchy=") for o in overrides):
+        overrides.insert(0, "hierarchy=auto")
+    if force:
+        overrides.append("auto.force=true")
+    try:
+        cfg = compose_config(overrides)
+        if not cfg.hierarchy.choose:
+            overrides.append("hierarchy.choose=true")
+            cfg = compose_config(overrides)
+        if ranks < 1 or ranks % cfg.auto.replicas:
+            raise ValueError(
+                f"--ranks {ranks}: must be a positive multiple of auto.replicas={cfg.auto.replicas}"
+            )
+        cores = len(os.sched_getaffinity(0))
+        node = Node(
+            cores=cores, ranks_on_node=ranks, ranks_per_replica=ranks // cfg.auto.replicas, bound=False
+        )
+        tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+        prompts = [ids for _, ids, _ in tokenize_prompts(cfg, tok)]
+        cal = calibrate(cfg, prompts, tok.eos_token_id, node)
+    except (UserError, ValueError, OSError) as err:
+        print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
+        return 2
+    got = "from the cache: " + ", ".join(cal.cached) if cal.cached else "measured"
+    print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "
+          f"{cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
+    print(plan_table(cal.plan))
+    print(
+        f"    mpirun -n {ranks} python -m pipespec_mpi {' '.join(o for o in overrides if 'force' not in o)}"
+    )
     return 0
 
 

@@ -14,19 +14,24 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pipespec_mpi.errors import UserError
 
 
 @dataclass(frozen=True)
 class World:
+    """The ranks of this job and where this one runs. ``comm`` is their communicator: MPI's
+    world, or the ranks a ``hierarchy=auto`` plan uses (``sub_world``)."""
+
     rank: int
     size: int
     local_rank: int
     local_size: int
     n_nodes: int
     hostname: str
+    comm: Any = field(default=None, compare=False, repr=False)
 
 
 def mpi():
@@ -36,8 +41,12 @@ def mpi():
 
 
 def world_info() -> World:
+    return sub_world(mpi().COMM_WORLD)
+
+
+def sub_world(comm) -> World:
+    """The ``World`` of the ranks of ``comm`` (collective over ``comm``)."""
     MPI = mpi()
-    comm = MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     hosts = comm.allgather(MPI.Get_processor_name())
     w = World(
@@ -47,6 +56,7 @@ def world_info() -> World:
         local_size=node.Get_size(),
         n_nodes=len(set(hosts)),
         hostname=hosts[comm.Get_rank()],
+        comm=comm,
     )
     node.Free()
     return w
@@ -88,7 +98,7 @@ def init_torch_distributed(world: World, backend: str, iface: str | None) -> Non
 
     if dist.is_initialized():
         return
-    comm = mpi().COMM_WORLD
+    comm = world.comm
     if world.n_nodes == 1:
         iface = iface or "lo"
     if iface:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipespec_mpi.comm.bootstrap import World, mpi
+from pipespec_mpi.comm.bootstrap import World
 from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
@@ -31,7 +31,7 @@ from pipespec_mpi.topology import place
 class Runner:
     def __init__(self, cfg: AppConfig, run_dir: Path, world: World) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
-        self.comm = mpi().COMM_WORLD
+        self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
 
     def run(self) -> None:

@@ -85,7 +85,7 @@ def load(cfg: AppConfig, world: World, pl: Placement) -> Loaded:
     from pipespec_mpi.gpu_monitor import GpuMonitor
     from pipespec_mpi.models.loader import load_stage, load_tokenizer
 
-    comm = mpi().COMM_WORLD
+    comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
     threads = set_threads(stage_cfg.threads, world.local_size)
     transport = resolve_transport(cfg.transport.kind)
@@ -211,7 +211,7 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Link
     """Proposal channels (with the distributions when Leviathan sampling), the epochs window
     (shared memory when every pipeline is on one node, else passive-target RMA), communicators."""
     MPI = mpi()
-    comm = MPI.COMM_WORLD
+    comm = world.comm
     device = None
     if loaded.transport == "nccl":
         import torch

@@ -1,0 +1,133 @@
+"""Measure (or read from the cache) and choose: what ``hierarchy=auto`` and ``plan --measure`` do.
+
+No MPI here: the job's rank 0 calls ``calibrate`` and broadcasts the plan (run/auto_job.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipespec_mpi.auto import fingerprint
+from pipespec_mpi.auto.choose import (
+    Measured,
+    Plan,
+    agreement_rate,
+    candidates,
+    predict,
+    threads_per_rank,
+)
+from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs
+from pipespec_mpi.config import AppConfig
+
+log = logging.getLogger("pipespec_mpi")
+
+
+@dataclass(frozen=True)
+class Node:
+    """Where the job's ranks run, as the measurement must reproduce it."""
+
+    cores: int  # CPUs a rank sees (its affinity)
+    ranks_on_node: int  # the job's ranks on this node
+    ranks_per_replica: int  # most stages a pipeline may have (world size / auto.replicas)
+    bound: bool  # the launcher gave each rank its own cores (srun --cpus-per-task)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    plan: Plan
+    measured: Measured
+    seconds: float
+    cached: tuple[str, ...]  # which measurements came from the cache: costs, agreement
+    cache_files: tuple[str, ...]
+
+
+def _prompt_digest(prompts: Sequence[Sequence[int]]) -> str:
+    return hashlib.sha256(repr([list(p) for p in prompts]).encode()).hexdigest()[:16]
+
+
+def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None, node: Node) -> Calibration:
+    """Costs of every candidate pipeline and agreement along the target's greedy output of the
+    calibration prompts (each from the cache when it holds them for this machine and prompt
+    set, unless ``auto.force``), then the simulator's choice."""
+    t0 = time.perf_counter()
+    a, hier = cfg.auto, cfg.hierarchy
+    max_k = min(a.max_stages, node.ranks_per_replica)
+    pipelines = candidates(hier.stages, max_k)
+    ks = sorted({len(p) for p in pipelines})
+    threads = {k: threads_per_rank(k, a.replicas, node.cores, node.ranks_on_node, node.bound) for k in ks}
+    calib = [list(p) for p in prompts[: a.calibration_prompts]]
+    stages = fingerprint.stage_identity(hier.stages)
+    cost_for = {
+        "machine": fingerprint.machine(node.cores, node.ranks_on_node),
+        "stages": stages,
+        "threads": threads,
+        "pipelines": [list(p) for p in pipelines],
+        "token_counts": list(a.token_counts),
+        "repeats": a.repeats,
+        "context_len": len(calib[0]),
+    }
+    agree_for = {
+        "stages": stages,
+        "prompts": _prompt_digest(calib),
+        "tokens": a.calibration_tokens,
+        "eos": eos,
+    }
+    cache = fingerprint.MeasurementCache(fingerprint.cache_dir(a.cache_dir))
+    costs = None if a.force else cache.get("costs", cost_for)
+    agree = None if a.force else cache.get("agreement", agree_for)
+    cached = tuple(k for k, v in (("costs", costs), ("agreement", agree)) if v is not None)
+    if costs is None or agree is None:
+        log.info(
+            "auto: measuring %d candidate stages (%d pipelines) on this machine",
+            hier.n_stages,
+            len(pipelines),
+        )
+        with Workers(hier) as workers:
+            if agree is None:
+                ag = workers.agreement(calib, a.calibration_tokens, eos, threads[min(ks)])
+                agree = ag.to_json()
+                cache.put("agreement", agree_for, agree)
+            if costs is None:
+                got = measure_costs(workers, pipelines, threads, calib[0], a.token_counts, a.repeats)
+                costs = [[list(p), pts] for p, pts in got.items()]
+                cache.put("costs", cost_for, {"costs": costs})
+            else:
+                costs = costs["costs"]
+    else:
+        costs = costs["costs"]
+    measured = Measured(
+        stages=tuple(s.name for s in hier.stages),
+        kinds=tuple(s.kind for s in hier.stages),
+        max_proposal=tuple(s.max_proposal for s in hier.stages),
+        costs={tuple(p): pts for p, pts in costs},
+        threads=threads,
+        agreement=Agreement.from_json(agree),
+    )
+    plan = predict(measured, cfg.decode, max_k, a.margin)
+    files = (str(cache.path("costs", cost_for)), str(cache.path("agreement", agree_for)))
+    return Calibration(plan, measured, time.perf_counter() - t0, cached, files)
+
+
+def summary(cal: Calibration) -> dict:
+    """The plan as the run record keeps it."""
+    return {
+        **cal.plan.to_json(),
+        "calibration_s": round(cal.seconds, 2),
+        "from_cache": list(cal.cached),
+        "cache_files": list(cal.cache_files),
+        "stages": list(cal.measured.stages),
+        "rates": {f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},
+    }
+
+
+def _pair_rates(m: Measured):
+    n = len(m.stages)
+    for i in range(n - 1):
+        for j in range(i + 1, n):
+            r = agreement_rate(m.agreement, i, j)
+            if r is not None:
+                yield m.stages[i], m.stages[j], round(r, 4)

@@ -1,0 +1,154 @@
+"""Run the measuring workers: each candidate pipeline's forward costs, each stage's proposals.
+
+One worker process per candidate stage (worker.py), each loading its stage once. For a candidate
+pipeline of k stages, its k workers are timed at once, each with the threads a rank of that
+pipeline gets, the others running one-token forwards meanwhile: the node is shared as the job
+will share it (on a 2-core EPYC the target's one-token step took 34 ms alone and 47-57 ms beside a
+busy int8 copy; a cost measured alone would promise a speedup the job cannot have). Agreement is
+counted along the target's own greedy output of the calibration prompts, the path every accepted
+token lies on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipespec_mpi.config import HierarchyConfig
+
+
+class MeasureError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Along the target's greedy path of each calibration prompt: what every stage proposes at
+    each position (-1: nothing) and how many tokens (a lookup stage: 0 .. max_proposal)."""
+
+    paths: tuple[tuple[int, ...], ...]  # per prompt
+    proposals: tuple[tuple[tuple[int, ...], ...], ...]  # per stage, per prompt, per position
+    lengths: tuple[tuple[tuple[int, ...], ...], ...]  # the same shape
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, node: dict) -> Agreement:
+        tup = lambda x: tuple(tup(v) for v in x) if isinstance(x, list) else x  # noqa: E731
+        return cls(tup(node["paths"]), tup(node["proposals"]), tup(node["lengths"]))
+
+
+class Worker:
+    """One measuring process (worker.py) and its line protocol; waits never spin (select)."""
+
+    def __init__(self, hier: HierarchyConfig, stage: int, timeout_s: float) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPIR_", "HYDRA_"))}
+        self.name, self.timeout_s = hier.stages[stage].name, timeout_s
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipespec_mpi.auto.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        self.send({"hierarchy": dataclasses.asdict(hier), "stage": stage})
+
+    def send(self, obj: dict | str) -> None:
+        self.proc.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            why = f"exited with {code}" if code is not None else f"no answer in {self.timeout_s:.0f} s"
+            raise MeasureError(f"measuring stage {self.name!r}: the worker {why}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"do": "exit"})
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Workers:
+    """A worker per candidate stage, started together (their loads overlap), closed together."""
+
+    def __init__(self, hier: HierarchyConfig, timeout_s: float = 300.0) -> None:
+        self.hier = hier
+        self.all: list[Worker] = []
+        try:
+            for i in range(hier.n_stages):
+                self.all.append(Worker(hier, i, timeout_s))
+            self.load_s = [w.reply()["ready"] for w in self.all]
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for w in self.all:
+            w.close()
+
+    def costs(
+        self,
+        pipeline: Sequence[int],
+        threads: int,
+        context: Sequence[int],
+        token_counts: Sequence[int],
+        repeats: int,
+    ) -> list[list[list[float]]]:
+        """(n, seconds) points of every stage of ``pipeline``, timed together."""
+        ws = [self.all[i] for i in pipeline]
+        cmd = {"do": "cost", "threads": threads, "context": list(context),
+               "token_counts": list(token_counts), "repeats": repeats}  # fmt: skip
+        for w in ws:
+            w.send(cmd)
+        points = [w.reply()["points"] for w in ws]  # each keeps the node busy until all are done
+        for w in ws:
+            w.send("stop")
+        for w in ws:
+            w.reply()
+        return points
+
+    def agreement(
+        self, prompts: Sequence[Sequence[int]], tokens: int, eos: int | None, threads: int
+    ) -> Agreement:
+        target = self.all[-1]
+        target.send({"do": "path", "threads": threads, "prompts": [list(p) for p in prompts],
+                     "tokens": tokens, "eos": eos})  # fmt: skip
+        paths = target.reply()["paths"]
+        cmd = {"do": "propose", "threads": threads, "prompts": [list(p) for p in prompts], "paths": paths}
+        proposals, lengths = [], []
+        for w in self.all:  # one at a time: each gets the node
+            w.send(cmd)
+            got = w.reply()
+            proposals.append(got["proposals"])
+            lengths.append(got["lengths"])
+        return Agreement.from_json({"paths": paths, "proposals": proposals, "lengths": lengths})
+
+
+def measure_costs(
+    workers: Workers,
+    pipelines: Sequence[Sequence[int]],
+    threads_of: dict[int, int],
+    context: Sequence[int],
+    token_counts: Sequence[int],
+    repeats: int,
+) -> dict[tuple[int, ...], list[list[list[float]]]]:
+    """Points of every stage of every candidate pipeline (threads per rank by pipeline length)."""
+    return {tuple(p): workers.costs(p, threads_of[len(p)], context, token_counts, repeats) for p in pipelines}

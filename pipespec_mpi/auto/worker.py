@@ -1,0 +1,141 @@
+"""The measuring process: ``python -m pipespec_mpi.auto.worker``, one per candidate stage.
+
+A separate process per stage, so that a candidate pipeline's stages load the node together as its
+ranks will (each with its own torch threads, all at once), and so that the MPI rank that starts
+them holds no model. It never imports MPI. It loads its stage once, says ``{"ready": seconds}``,
+then answers commands, one JSON line each:
+
+  cost     set ``threads``; time forwards over each of ``token_counts`` new tokens after
+           ``context`` (median of ``repeats``); say ``{"points": [[n, s], ...]}``; then keep the
+           node as busy as a drafting stage keeps it (one-token forwards) until the line ``stop``
+           arrives, and say ``{"stopped": true}`` (so every stage of a pipeline is timed while the
+           others run)
+  path     greedy continuation of each prompt by this stage alone: ``{"paths": [[ids], ...]}``
+  propose  along each given path, what this stage proposes at each position with the path so far
+           as context: ``{"proposals": [[id or -1], ...], "lengths": [[n], ...]}`` (-1 and 0: a
+           lookup stage finds nothing there; a model's length is 1)
+  exit
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pipespec_mpi.config import HierarchyConfig, StageConfig, TinyBaseConfig, TokenizerConfig
+from pipespec_mpi.models.prompt_lookup import PromptLookup
+
+
+def hierarchy_from(node: dict) -> HierarchyConfig:
+    """A HierarchyConfig from ``dataclasses.asdict`` of one (sent as JSON)."""
+    return HierarchyConfig(
+        name=node["name"],
+        stages=tuple(StageConfig(**s) for s in node["stages"]),
+        tokenizer=TokenizerConfig(**node["tokenizer"]),
+        tiny=TinyBaseConfig(**node["tiny"]),
+    )
+
+
+def say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def stop_requested() -> bool:
+    """The parent's ``stop`` line has arrived (never waits)."""
+    ready, _, _ = select.select([sys.stdin], [], [], 0.0)
+    return bool(ready) and sys.stdin.readline().strip() == "stop"
+
+
+def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], repeats: int) -> list:
+    """Median seconds of one forward over n new tokens after ``context``, for each n (a lookup
+    stage: one proposal)."""
+    if isinstance(model, PromptLookup):
+        seq = list(context)
+        t0 = time.perf_counter()
+        for _ in range(repeats * 20):
+            model.propose(seq, model.max_proposal)
+        return [[1, (time.perf_counter() - t0) / (repeats * 20)]]
+    base, most = len(context), max(token_counts)
+    tokens = [int(context[i % base]) for i in range(most)]  # any ids: the cost is what counts
+    model.prefill(context, room=most + 1)
+    model.logits(context, tokens[:1])  # warm: first-call allocations
+    model.truncate(base - 1)
+    points = []
+    for n in token_counts:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.logits(context, tokens[: n - 1])
+            times.append(time.perf_counter() - t0)
+            model.truncate(base - 1)
+        points.append([n, statistics.median(times)])
+    return points
+
+
+def keep_busy(model, context: Sequence[int]) -> None:
+    """One-token forwards, as a drafting stage runs, until the parent says stop."""
+    if isinstance(model, PromptLookup):  # a lookup stage barely loads its core
+        while sys.stdin.readline().strip() != "stop":
+            pass
+        return
+    model.prefill(context, room=2)
+    while not stop_requested():
+        model.logits(context, [])
+        model.truncate(len(context) - 1)
+
+
+def greedy_path(model, prompt: Sequence[int], tokens: int, eos: int | None) -> list[int]:
+    model.prefill(prompt, room=tokens + 2)
+    seq = list(prompt)
+    for _ in range(tokens):
+        tok = int(model.logits(seq, []).argmax(-1)[0])
+        seq.append(tok)
+        if tok == eos:
+            break
+    return seq[len(prompt) :]
+
+
+def proposals_along(model, prompt: Sequence[int], path: Sequence[int]) -> tuple[list[int], list[int]]:
+    """At each position i of ``path``, with prompt + path[:i] as context: the token ``model``
+    proposes first (-1: none) and how many it proposes (a model: 1; a lookup: 0 ..)."""
+    if isinstance(model, PromptLookup):
+        seq = list(prompt) + list(path)
+        got = [model.propose(seq[: len(prompt) + i], model.max_proposal) for i in range(len(path))]
+        return [g[0] if g else -1 for g in got], [len(g) for g in got]
+    model.prefill(prompt, room=len(path) + 2)
+    rows = model.logits(list(prompt), list(path[:-1]))  # [len(path), V]: one teacher-forced forward
+    return [int(t) for t in rows.argmax(-1)], [1] * len(path)
+
+
+def main() -> None:
+    from pipespec_mpi.models.loader import load_stage
+
+    start = json.loads(sys.stdin.readline())
+    t0 = time.perf_counter()
+    model = load_stage(hierarchy_from(start["hierarchy"]), start["stage"], [])
+    say({"ready": time.perf_counter() - t0})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        torch.set_num_threads(int(cmd.get("threads", 1)))
+        if cmd["do"] == "cost":
+            say({"points": time_forwards(model, cmd["context"], cmd["token_counts"], cmd["repeats"])})
+            keep_busy(model, cmd["context"])
+            say({"stopped": True})
+        elif cmd["do"] == "path":
+            say({"paths": [greedy_path(model, p, cmd["tokens"], cmd["eos"]) for p in cmd["prompts"]]})
+        elif cmd["do"] == "propose":
+            got = [proposals_along(model, p, path) for p, path in zip(cmd["prompts"], cmd["paths"])]
+            say({"proposals": [g[0] for g in got], "lengths": [g[1] for g in got]})
+        elif cmd["do"] == "exit":
+            return
+
+
+if __name__ == "__main__":
+    main()

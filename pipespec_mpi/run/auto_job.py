@@ -1,0 +1,132 @@
+"""``hierarchy=auto`` in an MPI job: rank 0 measures and chooses, every rank learns the plan, the
+ranks the plan uses run it, the others wait for the job's end without using a core.
+
+The job is launched for the candidate hierarchy (``mpirun -n 3`` for three candidate stages in
+``auto.replicas=1`` pipeline); a plan of k stages uses ranks 0 .. k*replicas-1 (replica r: ranks
+r*k .. r*k+k-1), so rank 0, which writes the run's files, always runs. The rest are spare: they
+hold no model and sleep until the job ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, summary
+from pipespec_mpi.auto.choose import realize, table
+from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.records import SUMMARY
+
+log = logging.getLogger("pipespec_mpi")
+PLAN = "plan.json"
+
+
+class AutoError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class AutoJob:
+    cfg: AppConfig  # the plan's config (its stages, method, window)
+    world: World | None  # the ranks that run it; None on a spare rank
+    record: dict  # what plan.json holds
+
+
+def node_of(cfg: AppConfig, world: World) -> Node:
+    cores = len(os.sched_getaffinity(0))
+    if world.size % cfg.auto.replicas:
+        raise AutoError(f"auto.replicas={cfg.auto.replicas} does not divide the world size {world.size}")
+    return Node(
+        cores=cores,
+        ranks_on_node=world.local_size,
+        ranks_per_replica=world.size // cfg.auto.replicas,
+        bound=cores < (os.cpu_count() or cores),  # the launcher gave this rank its own cores
+    )
+
+
+def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
+    from pipespec_mpi.models.loader import load_tokenizer
+    from pipespec_mpi.run.jobs import tokenize_prompts
+
+    node = node_of(cfg, world)
+    tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+    prompts = [ids for _, ids, _ in tokenize_prompts(cfg, tok)]
+    if not prompts:
+        raise AutoError(f"dataset {cfg.dataset.name!r} gave no prompts to calibrate on")
+    cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
+    chosen = realize(cfg, cal.plan, node.bound)
+    log.info(
+        "auto: %s in %.1f s%s\n%s",
+        "planned" if cal.cached else "measured and planned",
+        cal.seconds,
+        f" (from the cache: {', '.join(cal.cached)})" if cal.cached else "",
+        table(cal.plan),
+    )
+    record = {
+        **summary(cal),
+        "candidates": cfg.hierarchy.name,
+        "runs": {"hierarchy": chosen.hierarchy.name, "method": chosen.method,
+                 "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window},
+        "machine": {"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
+    }  # fmt: skip
+    return chosen, record
+
+
+def resolve(cfg: AppConfig, world: World) -> AutoJob:
+    """Every rank: the plan (rank 0 computes it; an error there is raised on every rank) and,
+    for the ranks it uses, their own communicator."""
+    comm = world.comm
+    chosen = record = err = None
+    if world.rank == 0:
+        try:
+            chosen, record = choose_on_rank0(cfg, world)
+        except UserError as e:
+            err = e
+    chosen, record, err = comm.bcast((chosen, record, err), root=0)
+    if err is not None:
+        err.collective = True
+        raise err
+    active = chosen.hierarchy.n_stages * chosen.auto.replicas
+    MPI = mpi()
+    sub = comm.Split(color=0 if world.rank < active else MPI.UNDEFINED, key=world.rank)
+    if sub == MPI.COMM_NULL:
+        log.warning("rank %d is spare: the plan uses ranks 0..%d", world.rank, active - 1)
+        return AutoJob(chosen, None, record)
+    return AutoJob(chosen, sub_world(sub), record)
+
+
+def write_plan(run_dir: Path, record: dict) -> None:
+    (run_dir / PLAN).write_text(json.dumps(record, indent=1, default=str) + "\n")
+
+
+def add_measured(run_dir: Path, record: dict) -> None:
+    """After the run: the measured ms/token beside the prediction (rank 0)."""
+    summ = json.loads((run_dir / SUMMARY).read_text())
+    measured = {m: s.get("ms_per_token") for m, s in summ.items() if isinstance(s, dict)}
+    record = {**record, "measured_ms_per_token": measured}
+    chosen = record["chosen"]
+    got = measured.get(chosen["method"])
+    if got:
+        record["measured_vs_predicted"] = round(got / chosen["ms_per_token"], 3)
+        if "ar" in measured and measured["ar"]:
+            record["measured_speedup"] = round(measured["ar"] / got, 3)
+        print(
+            f"[pipespec_mpi] auto: {chosen['method']} measured {got:.2f} ms/token, predicted "
+            f"{chosen['ms_per_token']:.2f} (AR predicted {record['ar']['ms_per_token']:.2f})",
+            flush=True,
+        )
+    write_plan(run_dir, record)
+
+
+def wait_for_job_end(comm) -> None:
+    """A spare rank (and, after their run, every other): a world barrier, waited for by
+    sleeping (the job may run for hours; MPICH's blocking barrier would spin a core)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.05)

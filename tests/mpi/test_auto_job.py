@@ -1,0 +1,48 @@
+"""hierarchy=auto end to end under real mpirun, on the tiny candidates: it measures, chooses, runs
+the choice on the ranks it needs (the others wait and leave with the job), stays lossless, records
+the plan, and a second job on the same machine plans from the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import launch_ok
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+TINY = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=3", "decode.max_new_tokens=32"]
+
+
+def outputs(records):
+    return {r["prompt_id"]: r["output_ids"] for r in records}
+
+
+def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(tmp_path):
+    cache = f"auto.cache_dir={tmp_path / 'cache'}"
+    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
+    first = launch_ok(3, [*TINY, "hierarchy.choose=true", cache], tmp_path / "auto1")
+    plan = json.loads((tmp_path / "auto1" / "plan.json").read_text())
+    assert plan["from_cache"] == []
+    assert plan["chosen"]["method"] in ("ar", "sd", "pipespec")
+    assert plan["chosen"]["pipeline"][-1] == "tiny-target-4L"
+    assert {r["method"] for r in first} == {plan["chosen"]["method"]}
+    assert outputs(first) == ar  # greedy: whatever was chosen, the target's own output
+    assert plan["measured_ms_per_token"][plan["chosen"]["method"]] > 0
+    assert "tiny-draft-1L -> tiny-target-4L" in plan["rates"]
+
+    second = launch_ok(3, [*TINY, "hierarchy.choose=true", cache], tmp_path / "auto2")
+    again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
+    assert again["from_cache"] == ["costs", "agreement"]
+    assert outputs(second) == ar
+
+
+def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path):
+    cache = f"auto.cache_dir={tmp_path / 'cache'}"
+    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
+    recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", cache], tmp_path / "auto")
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
+    assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]"
+    assert {r["method"] for r in recs} == {"ar"} and outputs(recs) == ar
+    logs = "".join(p.read_text() for p in (tmp_path / "auto").glob("rank*.log"))
+    assert "rank 1 is spare" in logs and "rank 2 is spare" in logs

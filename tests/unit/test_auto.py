@@ -1,0 +1,148 @@
+"""hierarchy=auto's choice on synthetic measurements (pure: no process, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipespec_mpi.auto.choose import (
+    Measured,
+    agreement_rate,
+    candidates,
+    lookup_rates,
+    predict,
+    realize,
+    threads_per_rank,
+)
+from pipespec_mpi.auto.fingerprint import MeasurementCache, cpu_identity
+from pipespec_mpi.auto.measure import Agreement
+from pipespec_mpi.config import DecodeConfig, StageConfig, compose_config
+
+STAGES = (
+    StageConfig("lookup", "prompt_lookup"),
+    StageConfig("int8", "int8_copy", copy_of=3),
+    StageConfig("small", "tiny"),
+    StageConfig("target", "tiny"),
+)
+
+
+def test_candidates_end_with_the_target_keep_lookup_first_and_copies_with_their_source():
+    got = candidates(STAGES, max_stages=3)
+    assert all(p[-1] == 3 for p in got)
+    assert (3,) in got and (0, 1, 3) in got and (1, 2, 3) in got
+    assert all(len(p) <= 3 for p in got)
+    copy_of_small = (*STAGES[:1], StageConfig("int8", "int8_copy", copy_of=2), *STAGES[2:])
+    assert (1, 3) not in candidates(copy_of_small, 3)  # the copy's source is not in the pipeline
+    assert len(candidates(STAGES, 4)) == 8  # every subset of the three drafters
+
+
+@pytest.mark.parametrize(
+    "k,replicas,cores,ranks,bound,want",
+    [(1, 1, 2, 3, False, 2), (2, 1, 2, 3, False, 1), (3, 1, 2, 3, False, 1), (2, 2, 8, 4, False, 2),
+     (2, 1, 16, 3, False, 8), (3, 1, 4, 3, True, 4)],
+)  # fmt: skip
+def test_threads_split_the_node_among_the_ranks_that_run(k, replicas, cores, ranks, bound, want):
+    assert threads_per_rank(k, replicas, cores, ranks, bound) == want
+
+
+def agreement(target_path, *stages_props, lengths=None):
+    n = len(stages_props) + 1
+    props = (*((tuple(p),) for p in stages_props), (tuple(target_path),))
+    lens = lengths or tuple(((1,) * len(target_path),) for _ in range(n))
+    return Agreement(paths=(tuple(target_path),), proposals=props, lengths=lens)
+
+
+def test_agreement_counts_only_where_the_drafter_proposes_and_uses_the_targets_path():
+    ag = agreement([5, 6, 7, 8], [5, -1, 0, 8], [5, 6, 0, 0])
+    assert agreement_rate(ag, 0, 2) == pytest.approx(2 / 3)  # positions 0, 2, 3 proposed; 0 and 3 agree
+    assert agreement_rate(ag, 1, 2) == pytest.approx(2 / 4)
+    assert agreement_rate(ag, 0, 1) == pytest.approx(2 / 3)  # 5=5, 0=0; 8 != 0
+    silent = agreement([1, 2], [-1, -1])
+    assert agreement_rate(silent, 0, 1) is None
+
+
+def test_lookup_rates():
+    ag = agreement([1, 2, 3, 4, 5, 6], [1, 2, -1, -1, 5, 6], lengths=(((3, 2, 0, 0, 2, 1),), ((1,) * 6,)))
+    hit, chain = lookup_rates(ag, 0)
+    assert hit == pytest.approx(4 / 6)
+    assert chain == pytest.approx(2 / 3)  # after hits at 0, 1, 4: hits at 1 and 5, not 2
+
+
+def measured(drafter_ms: float, rate: float, target_ms: float = 40.0) -> Measured:
+    """A drafter and a target; the target's path is 40 tokens; the drafter agrees on ``rate``."""
+    path = list(range(40))
+    agree = round(rate * 40)
+    props = [t if i < agree else -2 for i, t in enumerate(path)]
+    pts = lambda ms, per: [[1, ms / 1e3], [16, (ms + 15 * per) / 1e3]]  # noqa: E731
+    return Measured(
+        stages=("drafter", "target"),
+        kinds=("tiny", "tiny"),
+        max_proposal=(8, 8),
+        costs={(1,): [pts(target_ms, 0.5)], (0, 1): [pts(drafter_ms, 0.1), pts(target_ms * 1.1, 0.5)]},
+        threads={1: 2, 2: 1},
+        agreement=agreement(path, props),
+    )
+
+
+DECODE = DecodeConfig(max_new_tokens=64)
+
+
+def test_a_cheap_agreeing_drafter_is_chosen():
+    plan = predict(measured(drafter_ms=4, rate=0.8), DECODE, max_stages=3, margin=0.05, seeds=(0,))
+    assert plan.chosen.method in ("sd", "pipespec") and plan.chosen.pipeline == ("drafter", "target")
+    assert plan.chosen.speedup > 1.5
+    assert plan.options[0] == plan.ar
+
+
+def test_ar_wins_when_the_drafter_costs_as_much_as_the_target():
+    """The 2-core EPYC case: a middle stage whose one-token step is as slow as the target's."""
+    plan = predict(measured(drafter_ms=40, rate=0.8), DECODE, max_stages=3, margin=0.05, seeds=(0,))
+    assert plan.chosen == plan.ar and "margin" in plan.reason
+    assert plan.best_speculative is not None and plan.best_speculative.speedup < 1.05
+
+
+def test_ar_wins_when_the_drafter_never_agrees():
+    plan = predict(measured(drafter_ms=2, rate=0.0), DECODE, max_stages=3, margin=0.05, seeds=(0,))
+    assert plan.chosen == plan.ar
+
+
+def test_the_margin_decides_a_close_call():
+    m = measured(drafter_ms=4, rate=0.8)
+    best = predict(m, DECODE, 3, margin=0.0, seeds=(0,)).chosen.speedup
+    assert predict(m, DECODE, 3, margin=best - 1 + 0.01, seeds=(0,)).chosen.method == "ar"
+
+
+def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
+    cfg = compose_config(["hierarchy=auto"])
+    m = Measured(
+        stages=tuple(s.name for s in cfg.hierarchy.stages),
+        kinds=tuple(s.kind for s in cfg.hierarchy.stages),
+        max_proposal=(8,) * 4,
+        costs={(3,): [[[1, 0.04]]], (1, 3): [[[1, 0.004], [16, 0.006]], [[1, 0.044], [16, 0.05]]]},
+        threads={1: 2, 2: 1},
+        agreement=agreement(list(range(30)), [-1] * 30, list(range(30)), [-1] * 30),
+    )
+    plan = predict(m, DECODE, 3, 0.05, seeds=(0,))
+    run = realize(cfg, plan, bound=False)
+    assert [s.name for s in run.hierarchy.stages] == ["smollm2-135m-int8", "smollm2-135m"]
+    assert run.hierarchy.stages[0].copy_of == 1 and not run.hierarchy.choose
+    assert [s.threads for s in run.hierarchy.stages] == [1, 1]
+    assert run.method == plan.chosen.method
+    assert realize(cfg, plan, bound=True).hierarchy.stages[0].threads is None
+
+
+def test_measurements_round_trip_through_json():
+    m = measured(4, 0.5)
+    assert Measured.from_json(json.loads(json.dumps(m.to_json()))) == m
+
+
+def test_the_cache_answers_only_for_what_it_was_measured_for(tmp_path):
+    cache = MeasurementCache(tmp_path)
+    parts = {"machine": cpu_identity(), "stages": ["a", "b"]}
+    assert cache.get("costs", parts) is None
+    cache.put("costs", parts, {"x": 1})
+    assert cache.get("costs", parts) == {"x": 1}
+    assert cache.get("costs", {**parts, "stages": ["a"]}) is None
+    cache.path("costs", parts).write_text('{"for": ')  # torn: measured again, never trusted
+    assert cache.get("costs", parts) is None
