@@ -43,6 +43,7 @@ class Calibration:
     seconds: float
     cached: tuple[str, ...]  # which measurements came from the cache: costs, agreement
     cache_files: tuple[str, ...]
+    not_measured: tuple[tuple[str, ...], ...] = ()  # pipelines with a drafter slower than the target
 
 
 def _prompt_digest(prompts: Sequence[Sequence[int]]) -> str:
@@ -68,8 +69,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         "pipelines": [list(p) for p in pipelines],
         "token_counts": list(a.token_counts),
         "repeats": a.repeats,
-        "context_len": len(calib[0]),
-    }
+    }  # not the prompts: a cost hardly depends on which (the context length is kept beside it)
     agree_for = {
         "stages": stages,
         "prompts": _prompt_digest(calib),
@@ -94,7 +94,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
             if costs is None:
                 got = measure_costs(workers, pipelines, threads, calib[0], a.token_counts, a.repeats)
                 costs = [[list(p), pts] for p, pts in got.items()]
-                cache.put("costs", cost_for, {"costs": costs})
+                cache.put("costs", cost_for, {"costs": costs, "context_len": len(calib[0])})
             else:
                 costs = costs["costs"]
     else:
@@ -109,7 +109,9 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     )
     plan = predict(measured, cfg.decode, max_k, a.margin)
     files = (str(cache.path("costs", cost_for)), str(cache.path("agreement", agree_for)))
-    return Calibration(plan, measured, time.perf_counter() - t0, cached, files)
+    names = measured.stages
+    skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)
+    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped)
 
 
 def summary(cal: Calibration) -> dict:
@@ -119,6 +121,7 @@ def summary(cal: Calibration) -> dict:
         "calibration_s": round(cal.seconds, 2),
         "from_cache": list(cal.cached),
         "cache_files": list(cal.cache_files),
+        "not_measured": [" -> ".join(p) for p in cal.not_measured],
         "stages": list(cal.measured.stages),
         "rates": {f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},
     }
