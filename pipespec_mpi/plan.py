@@ -305,7 +305,7 @@ def overrides(c: Candidate, inp: PlanInputs) -> str:
         preset = matching_hierarchy([defs[m].name for m in c.models])
         if preset:
             return " ".join([f"hierarchy={preset}", *parts])
-    if inp.hierarchy:
+    if inp.hierarchy in hierarchy_presets():  # not a plan's own, such as auto[prompt-lookup+...]
         parts.insert(0, f"hierarchy={inp.hierarchy}")
     if defs and all(m in defs for m in c.models) and list(c.models) != list(defs):
         idx = {m: i for i, m in enumerate(c.models)}
@@ -454,6 +454,8 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
         print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
         return 2
     got = "from the cache: " + ", ".join(cal.cached) if cal.cached else "measured"
+    if cal.phases:
+        got += " (" + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in cal.phases.items()) + ")"
     print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "
           f"{cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
     print(plan_table(cal.plan))

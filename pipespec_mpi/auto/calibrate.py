@@ -44,6 +44,7 @@ class Calibration:
     cached: tuple[str, ...]  # which measurements came from the cache: costs, agreement
     cache_files: tuple[str, ...]
     not_measured: tuple[tuple[str, ...], ...] = ()  # pipelines with a drafter slower than the target
+    phases: dict[str, float] | None = None  # seconds: starting the workers, agreement, costs
 
 
 def _prompt_digest(prompts: Sequence[Sequence[int]]) -> str:
@@ -63,6 +64,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     calib = [list(p) for p in prompts[: a.calibration_prompts]]
     stages = fingerprint.stage_identity(hier.stages)
     cost_for = {
+        "format": 2,  # prefill timed too
         "machine": fingerprint.machine(node.cores, node.ranks_on_node),
         "stages": stages,
         "threads": threads,
@@ -71,6 +73,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         "repeats": a.repeats,
     }  # not the prompts: a cost hardly depends on which (the context length is kept beside it)
     agree_for = {
+        "format": 3,  # whole lookup continuations, prompt lengths
         "stages": stages,
         "prompts": _prompt_digest(calib),
         "tokens": a.calibration_tokens,
@@ -80,25 +83,24 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     costs = None if a.force else cache.get("costs", cost_for)
     agree = None if a.force else cache.get("agreement", agree_for)
     cached = tuple(k for k, v in (("costs", costs), ("agreement", agree)) if v is not None)
+    phases: dict[str, float] = {}
     if costs is None or agree is None:
-        log.info(
-            "auto: measuring %d candidate stages (%d pipelines) on this machine",
-            hier.n_stages,
-            len(pipelines),
-        )
+        log.info("auto: measuring %d stages, %d pipelines on this machine", hier.n_stages, len(pipelines))
+        t = time.perf_counter()
         with Workers(hier) as workers:
+            phases["start_s"] = time.perf_counter() - t
             if agree is None:
-                ag = workers.agreement(calib, a.calibration_tokens, eos, threads[min(ks)])
-                agree = ag.to_json()
+                t = time.perf_counter()
+                agree = workers.agreement(calib, a.calibration_tokens, eos, threads[min(ks)]).to_json()
                 cache.put("agreement", agree_for, agree)
+                phases["agreement_s"] = time.perf_counter() - t
             if costs is None:
+                t = time.perf_counter()
                 got = measure_costs(workers, pipelines, threads, calib[0], a.token_counts, a.repeats)
-                costs = [[list(p), pts] for p, pts in got.items()]
-                cache.put("costs", cost_for, {"costs": costs, "context_len": len(calib[0])})
-            else:
-                costs = costs["costs"]
-    else:
-        costs = costs["costs"]
+                costs = {"costs": [[list(p), c] for p, c in got.items()]}
+                cache.put("costs", cost_for, costs)
+                phases["costs_s"] = time.perf_counter() - t
+    costs = costs["costs"]
     measured = Measured(
         stages=tuple(s.name for s in hier.stages),
         kinds=tuple(s.kind for s in hier.stages),
@@ -111,7 +113,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     files = (str(cache.path("costs", cost_for)), str(cache.path("agreement", agree_for)))
     names = measured.stages
     skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)
-    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped)
+    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped, phases)
 
 
 def summary(cal: Calibration) -> dict:
@@ -119,6 +121,7 @@ def summary(cal: Calibration) -> dict:
     return {
         **cal.plan.to_json(),
         "calibration_s": round(cal.seconds, 2),
+        "calibration_phases_s": {k: round(v, 2) for k, v in (cal.phases or {}).items()},
         "from_cache": list(cal.cached),
         "cache_files": list(cal.cache_files),
         "not_measured": [" -> ".join(p) for p in cal.not_measured],

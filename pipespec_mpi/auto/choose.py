@@ -5,7 +5,11 @@ Notation (per candidate pipeline P = (s_0, ..., s_{k-1} = target) of the hierarc
                  run beside it, each rank with threads(k) threads
   a(x -> y)      agreement: over the positions of the target's greedy paths where x proposes,
                  the fraction where x's token equals y's (y = target: the path's own token)
-  ms_P           the simulator's ms/token for P (real stage loop, i.i.d. acceptance a(s_j -> s_j+1))
+  ms_P           the simulator's ms/token for P: the real stage loop replaying, prompt by
+                 prompt, what each drafter proposed at each position of the target's path (a
+                 lookup stage: its whole runs, ``run_trace``), i.i.d. a(s_j -> s_j+1) off the
+                 path, each prompt's prefill included (a fifth of a 64-token HumanEval job's
+                 time on the 2-core EPYC: leaving it out overstates every speedup)
 AR is the target alone with threads(1): ``ms_AR``. The plan is the fastest (method, P, window)
 if ms_AR / ms >= 1 + margin, else AR: speculation must be predicted to pay by a margin.
 """
@@ -51,12 +55,10 @@ def threads_per_rank(k: int, replicas: int, cores: int, ranks_on_node: int, boun
 def agreement_rate(ag: Agreement, drafter: int, verifier: int) -> float | None:
     """a(drafter -> verifier); None when the drafter never proposes. The last stage's token is the
     path's (its greedy output), every other stage's its teacher-forced argmax."""
-    last = len(ag.proposals) - 1
     hits = agree = 0
-    for p, path in enumerate(ag.paths):
-        mine = ag.proposals[drafter][p]
-        theirs = path if verifier == last else ag.proposals[verifier][p]
-        for i, tok in enumerate(mine):
+    for p in range(len(ag.paths)):
+        theirs = ag.tokens_of(verifier, p)
+        for i, tok in enumerate(ag.first(drafter, p)):
             if tok >= 0:
                 hits += 1
                 agree += tok == theirs[i]
@@ -67,15 +69,51 @@ def lookup_rates(ag: Agreement, stage: int) -> tuple[float, float]:
     """A lookup stage's (hit rate, chain rate): how often it finds a continuation, and how often
     it finds one again at the position right after one it found."""
     hits = chained = after_hit = n = 0
-    for lengths in ag.lengths[stage]:
-        for i, m in enumerate(lengths):
+    for runs in ag.proposals[stage]:
+        for i, run in enumerate(runs):
             n += 1
-            hits += m > 0
-            if i and lengths[i - 1] > 0:
+            hits += bool(run)
+            if i and runs[i - 1]:
                 after_hit += 1
-                chained += m > 0
+                chained += bool(run)
     hit = hits / n if n else 0.0
     return hit, (chained / after_hit if after_hit else hit)
+
+
+def matched(run: Sequence[int], theirs: Sequence[int], at: int) -> int:
+    """How many leading tokens of ``run``, proposed at position ``at``, equal ``theirs``."""
+    m = 0
+    while m < len(run) and at + m < len(theirs) and run[m] == theirs[at + m]:
+        m += 1
+    return m
+
+
+def run_trace(
+    runs: Sequence[Sequence[int]], theirs: Sequence[int], method: str, window: int
+) -> dict[int, bool]:
+    """A lookup stage's verdicts along the path, proposal by proposal as the loop meets them.
+
+    A lookup proposal is a run copied from earlier text: it matches for a while, then stops
+    matching, so its tokens' verdicts are not independent. Walk the path as the verifier commits
+    it: a proposal at s of length L matching m tokens is accepted up to min(m, cap), where cap is
+    SD's window or L; the verifier adds one token (its correction, or SD's bonus), or, under
+    PipeSpec, after a fully matching run the lookup goes on from s + L itself.
+    """
+    trace: dict[int, bool] = {}
+    s = 0
+    while s < len(theirs):
+        run = list(runs[s])[: window if method == "sd" else None]
+        if not run:
+            s += 1  # a miss: the verifier steps alone
+            continue
+        m = matched(run, theirs, s)
+        trace.update({s + q: True for q in range(m)})
+        if m < len(run):
+            trace[s + m] = False
+            s += m + 1
+        else:
+            s += m if method == "pipespec" else m + 1
+    return trace
 
 
 @dataclass(frozen=True)
@@ -85,7 +123,7 @@ class Measured:
     stages: tuple[str, ...]  # candidate stage names, smallest first
     kinds: tuple[str, ...]
     max_proposal: tuple[int, ...]
-    costs: Mapping[Pipeline, Sequence[Sequence[Sequence[float]]]]  # P -> per stage (n, s) points
+    costs: Mapping[Pipeline, Sequence[Mapping]]  # P -> per stage {points: [(n, s)], prefill_s, context}
     threads: Mapping[int, int]  # k -> threads per rank
     agreement: Agreement
 
@@ -111,8 +149,9 @@ class Measured:
 
 def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
     out = []
-    for s, pts in zip(p, m.costs[p]):
-        points = tuple((float(n), float(t)) for n, t in pts)
+    for s, cost in zip(p, m.costs[p]):
+        points = tuple((float(n), float(t)) for n, t in cost["points"])
+        prefill = cost.get("prefill_s", 0.0) / cost["context"] if cost.get("context") else 0.0
         if m.kinds[s] == "prompt_lookup":
             hit, chain = lookup_rates(m.agreement, s)
             out.append(sim.LatencyProfile(
@@ -120,13 +159,53 @@ def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
                 lookup_hit_rate=hit, lookup_chain_rate=chain,
             ))  # fmt: skip
         else:
-            out.append(sim.LatencyProfile(name=m.stages[s], points=points))
+            out.append(sim.LatencyProfile(name=m.stages[s], points=points, prefill_per_token_s=prefill))
     return out
 
 
 def rates(m: Measured, p: Pipeline) -> tuple[float, ...] | None:
     got = [agreement_rate(m.agreement, a, b) for a, b in zip(p, p[1:])]
     return None if any(r is None for r in got) else tuple(float(r) for r in got)
+
+
+def replay(m: Measured, p: Pipeline, prompt: int, method: str, window: int) -> sim.Acceptance | None:
+    """Acceptance for pipeline ``p`` on calibration prompt ``prompt``: per adjacent pair, the
+    drafter's verdicts along the path (a model: where its argmax agrees with its verifier's; a
+    lookup stage: ``run_trace``), the lookup stage's proposal lengths; i.i.d. rates elsewhere."""
+    iid = rates(m, p)
+    if iid is None:
+        return None
+    ag = m.agreement
+    traces = []
+    for a, b in zip(p, p[1:]):
+        theirs = ag.tokens_of(b, prompt)
+        if m.kinds[a] == "prompt_lookup":
+            traces.append(run_trace(ag.proposals[a][prompt], theirs, method, window))
+        else:
+            traces.append({i: tok == theirs[i] for i, tok in enumerate(ag.first(a, prompt)) if tok >= 0})
+    lookup = None
+    if m.kinds[p[0]] == "prompt_lookup":
+        lookup = {i: len(run) for i, run in enumerate(ag.proposals[p[0]][prompt])}
+    return sim.Acceptance(rates=iid, traces=tuple(traces), lookup=lookup)
+
+
+def simulated_ms(m: Measured, p: Pipeline, cfg: sim.SimConfig, seeds: Sequence[int]) -> float | None:
+    """ms/token of ``p`` over the calibration prompts (each replayed, ``seeds`` times)."""
+    profs = profiles(m, p)
+    wall = tokens = 0.0
+    for k, path in enumerate(m.agreement.paths):
+        window = cfg.decode.window(cfg.method)
+        acc = replay(m, p, k, cfg.method, window) if len(p) > 1 else sim.Acceptance(rates=())
+        if acc is None:
+            return None
+        n = max(1, len(path))
+        prompt_len = m.agreement.prompt_lens[k] if m.agreement.prompt_lens else 0
+        for s in seeds:
+            decode = replace(cfg.decode, max_new_tokens=n)
+            run = replace(cfg, decode=decode, seed=s, prompt_len=prompt_len, include_prefill=bool(prompt_len))
+            r = sim.simulate(profs, acc, run)
+            wall, tokens = wall + r.wall_s, tokens + r.n_tokens
+    return 1000.0 * wall / tokens
 
 
 @dataclass(frozen=True)
@@ -136,6 +215,7 @@ class Option:
     window: int  # PipeSpec's lookahead or SD's window; 0 for AR
     ms_per_token: float
     speedup: float
+    run_ahead: int = 0  # PipeSpec's max_run_ahead (0: the configured one)
 
 
 @dataclass(frozen=True)
@@ -163,30 +243,29 @@ def predict(
     margin: float,
     lookaheads: Sequence[int] = (0, 1, 2, 4),
     sd_windows: Sequence[int] = (1, 2, 3, 4, 6),
-    seeds: Sequence[int] = (0, 1, 2),
+    run_aheads: Sequence[int] = (4, 8, 16),
+    seeds: Sequence[int] = (0,),  # replayed prompts: only off-path verdicts are drawn
 ) -> Plan:
-    """Simulate every candidate pipeline with every window; choose (see the module's notation)."""
+    """Simulate every candidate pipeline with every window (and, for PipeSpec, run-ahead bound);
+    choose (see the module's notation)."""
     n = len(m.stages)
-    target = (n - 1,)
     base = sim.SimConfig(decode=decode, include_prefill=False)
-    ar_ms = sim.mean_ms_per_token(profiles(m, target), (), replace(base, method="ar"), seeds[:1])
+    ar_ms = simulated_ms(m, (n - 1,), replace(base, method="ar"), seeds[:1])
     ar = Option("ar", (m.stages[-1],), 0, ar_ms, 1.0)
     options = []
     for p in m.costs:
-        if len(p) < 2 or len(p) > max_stages:
+        if len(p) < 2 or len(p) > max_stages or rates(m, p) is None:
             continue
-        r = rates(m, p)
-        if r is None:
-            continue
-        profs = profiles(m, p)
-        for method, windows in (("sd", sd_windows), ("pipespec", lookaheads)):
-            for w in windows:
-                if w > decode.max_verify or w > decode.max_run_ahead:
-                    continue
-                key = "sd_window" if method == "sd" else "lookahead"
-                cfg = replace(base, method=method, decode=replace(decode, **{key: w}))
-                ms = sim.mean_ms_per_token(profs, r, cfg, seeds)
-                options.append(Option(method, tuple(m.stages[i] for i in p), w, ms, ar_ms / ms))
+        names = tuple(m.stages[i] for i in p)
+        settings = [("sd", w, decode.max_run_ahead) for w in sd_windows]
+        settings += [("pipespec", w, r) for w in lookaheads for r in run_aheads]
+        for method, w, ahead in settings:
+            if w > decode.max_verify or w > ahead or (method == "sd" and w > decode.max_run_ahead):
+                continue
+            key = "sd_window" if method == "sd" else "lookahead"
+            d = replace(decode, **{key: w, "max_run_ahead": ahead})
+            ms = simulated_ms(m, p, replace(base, method=method, decode=d), seeds)
+            options.append(Option(method, names, w, ms, ar_ms / ms, ahead if method == "pipespec" else 0))
     options.sort(key=lambda o: o.ms_per_token)
     best = options[0] if options else None
     if best is not None and best.speedup >= 1 + margin:
@@ -227,17 +306,23 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     if opt.method == "sd":
         decode = replace(decode, sd_window=opt.window)
     elif opt.method == "pipespec":
-        decode = replace(decode, lookahead=opt.window)
+        decode = replace(decode, lookahead=opt.window, max_run_ahead=opt.run_ahead or decode.max_run_ahead)
     method = plan.chosen.method if cfg.run.mode == "single" else cfg.method
-    return replace(cfg, hierarchy=hier, decode=decode, method=method)
+    run = cfg.run
+    if len(stages) == 1:  # the target alone: nothing but AR can run on it
+        run = replace(run, methods=("ar",))
+    return replace(cfg, hierarchy=hier, decode=decode, method=method, run=run)
 
 
 def table(plan: Plan, top: int = 8) -> str:
-    lines = [f"{'method':<9} {'pipeline':<58} {'win':>3} {'ms/token':>9} {'vs AR':>7}"]
+    lines = [f"{'method':<9} {'pipeline':<58} {'win':>3} {'ahead':>5} {'ms/token':>9} {'vs AR':>7}"]
     for o in plan.options[: top + 1]:
         mark = " <- chosen" if o == plan.chosen else ""
         win = "-" if o.method == "ar" else str(o.window)
+        ahead = str(o.run_ahead) if o.run_ahead else "-"
         path = " -> ".join(o.pipeline)
-        lines.append(f"{o.method:<9} {path:<58} {win:>3} {o.ms_per_token:>9.2f} {o.speedup:>6.2f}x{mark}")
+        lines.append(
+            f"{o.method:<9} {path:<58} {win:>3} {ahead:>5} {o.ms_per_token:>9.2f} {o.speedup:>6.2f}x{mark}"
+        )
     lines.append(f"choice: {plan.reason}")
     return "\n".join(lines)

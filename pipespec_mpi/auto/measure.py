@@ -29,12 +29,21 @@ class MeasureError(RuntimeError):
 
 @dataclass(frozen=True)
 class Agreement:
-    """Along the target's greedy path of each calibration prompt: what every stage proposes at
-    each position (-1: nothing) and how many tokens (a lookup stage: 0 .. max_proposal)."""
+    """Along the target's greedy path of each calibration prompt, what every stage proposes at
+    each position with the path before it as context: a model its argmax, a lookup stage its
+    whole continuation (empty where it finds none)."""
 
     paths: tuple[tuple[int, ...], ...]  # per prompt
-    proposals: tuple[tuple[tuple[int, ...], ...], ...]  # per stage, per prompt, per position
-    lengths: tuple[tuple[tuple[int, ...], ...], ...]  # the same shape
+    proposals: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]  # stage, prompt, position -> ids
+    prompt_lens: tuple[int, ...] = ()  # per prompt (its prefill is part of a job's time)
+
+    def first(self, stage: int, prompt: int) -> list[int]:
+        """The first proposed token at each position (-1: none)."""
+        return [run[0] if run else -1 for run in self.proposals[stage][prompt]]
+
+    def tokens_of(self, stage: int, prompt: int) -> list[int]:
+        """What ``stage`` would emit at each position: the path for the last, else its first token."""
+        return list(self.paths[prompt]) if stage == len(self.proposals) - 1 else self.first(stage, prompt)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -42,7 +51,7 @@ class Agreement:
     @classmethod
     def from_json(cls, node: dict) -> Agreement:
         tup = lambda x: tuple(tup(v) for v in x) if isinstance(x, list) else x  # noqa: E731
-        return cls(tup(node["paths"]), tup(node["proposals"]), tup(node["lengths"]))
+        return cls(tup(node["paths"]), tup(node["proposals"]), tup(node.get("prompt_lens", [])))
 
 
 class Worker:
@@ -111,14 +120,14 @@ class Workers:
         context: Sequence[int],
         token_counts: Sequence[int],
         repeats: int,
-    ) -> list[list[list[float]]]:
-        """(n, seconds) points of every stage of ``pipeline``, timed together."""
+    ) -> list[dict]:
+        """Every stage of ``pipeline`` timed together: its (n, seconds) ``points``, ``prefill_s``."""
         ws = [self.all[i] for i in pipeline]
         cmd = {"do": "cost", "threads": threads, "context": list(context),
                "token_counts": list(token_counts), "repeats": repeats}  # fmt: skip
         for w in ws:
             w.send(cmd)
-        points = [w.reply()["points"] for w in ws]  # each keeps the node busy until all are done
+        points = [w.reply() for w in ws]  # each keeps the node busy until all are done
         for w in ws:
             w.send("stop")
         for w in ws:
@@ -133,13 +142,12 @@ class Workers:
                      "tokens": tokens, "eos": eos})  # fmt: skip
         paths = target.reply()["paths"]
         cmd = {"do": "propose", "threads": threads, "prompts": [list(p) for p in prompts], "paths": paths}
-        proposals, lengths = [], []
+        proposals = []
         for w in self.all:  # one at a time: each gets the node
             w.send(cmd)
-            got = w.reply()
-            proposals.append(got["proposals"])
-            lengths.append(got["lengths"])
-        return Agreement.from_json({"paths": paths, "proposals": proposals, "lengths": lengths})
+            proposals.append(w.reply()["proposals"])
+        lens = [len(p) for p in prompts]
+        return Agreement.from_json({"paths": paths, "proposals": proposals, "prompt_lens": lens})
 
 
 def measure_costs(
@@ -149,12 +157,12 @@ def measure_costs(
     context: Sequence[int],
     token_counts: Sequence[int],
     repeats: int,
-) -> dict[tuple[int, ...], list[list[list[float]]]]:
-    """Points of every stage of every candidate pipeline (threads per rank by pipeline length),
+) -> dict[tuple[int, ...], list[dict]]:
+    """Costs of every stage of every candidate pipeline (threads per rank by pipeline length),
     shortest pipelines first. A drafter whose one-token step beside the target is at least the
     target's own can never run ahead of it: pipelines with more stages that contain it are not
     measured (on the 2-core EPYC the bf16 copy took 56 ms to the target's 36)."""
-    out: dict[tuple[int, ...], list[list[list[float]]]] = {}
+    out: dict[tuple[int, ...], list[dict]] = {}
     too_slow: set[int] = set()
     for p in sorted((tuple(p) for p in pipelines), key=len):
         if len(p) > 2 and too_slow & set(p):
@@ -165,5 +173,5 @@ def measure_costs(
     return out
 
 
-def one_token_s(points: Sequence[Sequence[float]]) -> float:
-    return next(s for n, s in points if n == 1)
+def one_token_s(cost: dict) -> float:
+    return next(s for n, s in cost["points"] if n == 1)

@@ -5,15 +5,16 @@ ranks will (each with its own torch threads, all at once), and so that the MPI r
 them holds no model. It never imports MPI. It loads its stage once, says ``{"ready": seconds}``,
 then answers commands, one JSON line each:
 
-  cost     set ``threads``; time forwards over each of ``token_counts`` new tokens after
-           ``context`` (median of ``repeats``); say ``{"points": [[n, s], ...]}``; then keep the
+  cost     set ``threads``; time the prefill of ``context`` and forwards over each of
+           ``token_counts`` new tokens after it (median of ``repeats``); say ``{"points":
+           [[n, s], ...], "prefill_s": s, "context": n}``; then keep the
            node as busy as a drafting stage keeps it (one-token forwards) until the line ``stop``
            arrives, and say ``{"stopped": true}`` (so every stage of a pipeline is timed while the
            others run)
   path     greedy continuation of each prompt by this stage alone: ``{"paths": [[ids], ...]}``
   propose  along each given path, what this stage proposes at each position with the path so far
-           as context: ``{"proposals": [[id or -1], ...], "lengths": [[n], ...]}`` (-1 and 0: a
-           lookup stage finds nothing there; a model's length is 1)
+           as context: ``{"proposals": [[[ids], ...], ...]}`` per prompt and position (a model:
+           its argmax; a lookup stage: its whole continuation, empty where it finds none)
   exit
 """
 
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipespec_mpi.comm.wait import Backoff
 from pipespec_mpi.config import HierarchyConfig, StageConfig, TinyBaseConfig, TokenizerConfig
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 
@@ -53,18 +55,20 @@ def stop_requested() -> bool:
     return bool(ready) and sys.stdin.readline().strip() == "stop"
 
 
-def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], repeats: int) -> list:
-    """Median seconds of one forward over n new tokens after ``context``, for each n (a lookup
-    stage: one proposal)."""
+def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], repeats: int) -> dict:
+    """``points``: median seconds of one forward over n new tokens after ``context``, for each n (a
+    lookup stage: one proposal); ``prefill_s``: encoding the ``context`` tokens before."""
     if isinstance(model, PromptLookup):
         seq = list(context)
         t0 = time.perf_counter()
         for _ in range(repeats * 20):
             model.propose(seq, model.max_proposal)
-        return [[1, (time.perf_counter() - t0) / (repeats * 20)]]
+        return {"points": [[1, (time.perf_counter() - t0) / (repeats * 20)]], "prefill_s": 0.0, "context": 0}
     base, most = len(context), max(token_counts)
     tokens = [int(context[i % base]) for i in range(most)]  # any ids: the cost is what counts
+    t0 = time.perf_counter()
     model.prefill(context, room=most + 1)
+    prefill_s = time.perf_counter() - t0
     model.logits(context, tokens[:1])  # warm: first-call allocations
     model.truncate(base - 1)
     points = []
@@ -76,14 +80,20 @@ def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], re
             times.append(time.perf_counter() - t0)
             model.truncate(base - 1)
         points.append([n, statistics.median(times)])
-    return points
+    return {"points": points, "prefill_s": prefill_s, "context": base}
 
 
 def keep_busy(model, context: Sequence[int]) -> None:
-    """One-token forwards, as a drafting stage runs, until the parent says stop."""
-    if isinstance(model, PromptLookup):  # a lookup stage barely loads its core
-        while sys.stdin.readline().strip() != "stop":
-            pass
+    """Until the parent says stop: one-token forwards, as a drafting model stage runs; a lookup
+    stage's proposals and wake-ups, as its loop waits for its verifier (on 2 cores shared by 3
+    ranks those wake-ups are what a lookup stage costs its neighbours)."""
+    if isinstance(model, PromptLookup):  # as the stage loop waits: propose, poll with backoff
+        backoff = Backoff()
+        while not stop_requested():
+            model.propose(context, model.max_proposal)
+            for _ in range(8):
+                backoff.sleep()
+            backoff.reset()
         return
     model.prefill(context, room=2)
     while not stop_requested():
@@ -102,16 +112,15 @@ def greedy_path(model, prompt: Sequence[int], tokens: int, eos: int | None) -> l
     return seq[len(prompt) :]
 
 
-def proposals_along(model, prompt: Sequence[int], path: Sequence[int]) -> tuple[list[int], list[int]]:
-    """At each position i of ``path``, with prompt + path[:i] as context: the token ``model``
-    proposes first (-1: none) and how many it proposes (a model: 1; a lookup: 0 ..)."""
+def proposals_along(model, prompt: Sequence[int], path: Sequence[int]) -> list[list[int]]:
+    """At each position i of ``path``, with prompt + path[:i] as context, what ``model`` proposes:
+    a model its argmax (one token), a lookup stage its whole continuation (maybe none)."""
     if isinstance(model, PromptLookup):
         seq = list(prompt) + list(path)
-        got = [model.propose(seq[: len(prompt) + i], model.max_proposal) for i in range(len(path))]
-        return [g[0] if g else -1 for g in got], [len(g) for g in got]
+        return [model.propose(seq[: len(prompt) + i], model.max_proposal) for i in range(len(path))]
     model.prefill(prompt, room=len(path) + 2)
     rows = model.logits(list(prompt), list(path[:-1]))  # [len(path), V]: one teacher-forced forward
-    return [int(t) for t in rows.argmax(-1)], [1] * len(path)
+    return [[int(t)] for t in rows.argmax(-1)]
 
 
 def main() -> None:
@@ -125,14 +134,14 @@ def main() -> None:
         cmd = json.loads(line)
         torch.set_num_threads(int(cmd.get("threads", 1)))
         if cmd["do"] == "cost":
-            say({"points": time_forwards(model, cmd["context"], cmd["token_counts"], cmd["repeats"])})
+            say(time_forwards(model, cmd["context"], cmd["token_counts"], cmd["repeats"]))
             keep_busy(model, cmd["context"])
             say({"stopped": True})
         elif cmd["do"] == "path":
             say({"paths": [greedy_path(model, p, cmd["tokens"], cmd["eos"]) for p in cmd["prompts"]]})
         elif cmd["do"] == "propose":
             got = [proposals_along(model, p, path) for p, path in zip(cmd["prompts"], cmd["paths"])]
-            say({"proposals": [g[0] for g in got], "lengths": [g[1] for g in got]})
+            say({"proposals": got})
         elif cmd["do"] == "exit":
             return
 

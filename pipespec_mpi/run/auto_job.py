@@ -72,7 +72,8 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
         **summary(cal),
         "candidates": cfg.hierarchy.name,
         "runs": {"hierarchy": chosen.hierarchy.name, "method": chosen.method,
-                 "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window},
+                 "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window,
+                 "max_run_ahead": chosen.decode.max_run_ahead},
         "machine": {"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
     }  # fmt: skip
     return chosen, record

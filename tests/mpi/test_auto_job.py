@@ -11,6 +11,12 @@ from conftest import launch_ok
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TINY = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=3", "decode.max_new_tokens=32"]
+QUICK = [
+    "auto.calibration_prompts=2",
+    "auto.calibration_tokens=16",
+    "auto.repeats=2",
+    "auto.token_counts=[1,4]",
+]
 
 
 def outputs(records):
@@ -20,7 +26,7 @@ def outputs(records):
 def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(tmp_path):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
-    first = launch_ok(3, [*TINY, "hierarchy.choose=true", cache], tmp_path / "auto1")
+    first = launch_ok(3, [*TINY, "hierarchy.choose=true", *QUICK, cache], tmp_path / "auto1")
     plan = json.loads((tmp_path / "auto1" / "plan.json").read_text())
     assert plan["from_cache"] == []
     assert plan["chosen"]["method"] in ("ar", "sd", "pipespec")
@@ -30,7 +36,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert plan["measured_ms_per_token"][plan["chosen"]["method"]] > 0
     assert "tiny-draft-1L -> tiny-target-4L" in plan["rates"]
 
-    second = launch_ok(3, [*TINY, "hierarchy.choose=true", cache], tmp_path / "auto2")
+    second = launch_ok(3, [*TINY, "hierarchy.choose=true", *QUICK, cache], tmp_path / "auto2")
     again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
     assert again["from_cache"] == ["costs", "agreement"]
     assert outputs(second) == ar
@@ -39,7 +45,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
 def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
-    recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", cache], tmp_path / "auto")
+    recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto")
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
     assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]"

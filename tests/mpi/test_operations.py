@@ -103,6 +103,12 @@ def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
         (3, ["hierarchy=tiny", "dataset=jsonl", "dataset.path=/nonexistent.jsonl"], "no such file"),
         (3, ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=4090"], "context of 4096"),
         (2, ["hierarchy=llama3_8b_70b"], "not available offline"),
+        (
+            3,
+            ["hierarchy=tiny", "hierarchy.choose=true", "auto.replicas=2"],
+            "auto.replicas=2 does not divide",
+        ),
+        (3, ["hierarchy=tiny", "hierarchy.choose=true", "auto.margin=-1"], "auto.margin=-1"),
     ],
 )
 def test_bad_input_fails_fast_with_one_clear_error(tmp_path, n, overrides, needle):

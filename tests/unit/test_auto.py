@@ -13,6 +13,7 @@ from pipespec_mpi.auto.choose import (
     lookup_rates,
     predict,
     realize,
+    run_trace,
     threads_per_rank,
 )
 from pipespec_mpi.auto.fingerprint import MeasurementCache, cpu_identity
@@ -46,11 +47,13 @@ def test_threads_split_the_node_among_the_ranks_that_run(k, replicas, cores, ran
     assert threads_per_rank(k, replicas, cores, ranks, bound) == want
 
 
-def agreement(target_path, *stages_props, lengths=None):
-    n = len(stages_props) + 1
-    props = (*((tuple(p),) for p in stages_props), (tuple(target_path),))
-    lens = lengths or tuple(((1,) * len(target_path),) for _ in range(n))
-    return Agreement(paths=(tuple(target_path),), proposals=props, lengths=lens)
+def agreement(target_path, *stages_props):
+    """One prompt: each drafter's proposal per position (an int: one token, -1 none; a list:
+    a lookup run), the target's path last."""
+    as_run = lambda t: tuple(t) if isinstance(t, list) else (() if t < 0 else (t,))  # noqa: E731
+    props = tuple((tuple(as_run(t) for t in p),) for p in stages_props)
+    props += ((tuple((t,) for t in target_path),),)
+    return Agreement(paths=(tuple(target_path),), proposals=props)
 
 
 def test_agreement_counts_only_where_the_drafter_proposes_and_uses_the_targets_path():
@@ -63,18 +66,30 @@ def test_agreement_counts_only_where_the_drafter_proposes_and_uses_the_targets_p
 
 
 def test_lookup_rates():
-    ag = agreement([1, 2, 3, 4, 5, 6], [1, 2, -1, -1, 5, 6], lengths=(((3, 2, 0, 0, 2, 1),), ((1,) * 6,)))
+    ag = agreement([1, 2, 3, 4, 5, 6], [[1, 2, 3], [2, 3], [], [], [5, 6], [6]])
     hit, chain = lookup_rates(ag, 0)
     assert hit == pytest.approx(4 / 6)
     assert chain == pytest.approx(2 / 3)  # after hits at 0, 1, 4: hits at 1 and 5, not 2
+
+
+def test_a_lookup_run_is_judged_as_the_loop_meets_it():
+    path = [1, 2, 3, 4, 5, 6, 7, 8]
+    runs = [[1, 2, 9], [2, 3], [3], [4, 5, 6, 7], [], [6], [7, 8], [8]]
+    # SD, window 2: at 0 [1, 2] matches, bonus at 2; at 3 [4, 5] matches, bonus at 5; 6 [7, 8]
+    assert run_trace(runs, path, "sd", 2) == {0: True, 1: True, 3: True, 4: True, 6: True, 7: True}
+    # PipeSpec: at 0 [1, 2, 9] stops matching at 2 (correction), at 3 [4, 5, 6, 7] all match,
+    # the lookup goes on at 7 with [8]
+    assert run_trace(runs, path, "pipespec", 0) == {0: True, 1: True, 2: False, 3: True, 4: True,
+                                                     5: True, 6: True, 7: True}  # fmt: skip
+    assert run_trace([[], [], []], [1, 2, 3], "pipespec", 0) == {}
 
 
 def measured(drafter_ms: float, rate: float, target_ms: float = 40.0) -> Measured:
     """A drafter and a target; the target's path is 40 tokens; the drafter agrees on ``rate``."""
     path = list(range(40))
     agree = round(rate * 40)
-    props = [t if i < agree else -2 for i, t in enumerate(path)]
-    pts = lambda ms, per: [[1, ms / 1e3], [16, (ms + 15 * per) / 1e3]]  # noqa: E731
+    props = [t if i < agree else 1000 for i, t in enumerate(path)]
+    pts = lambda ms, per: {"points": [[1, ms / 1e3], [16, (ms + 15 * per) / 1e3]]}  # noqa: E731
     return Measured(
         stages=("drafter", "target"),
         kinds=("tiny", "tiny"),
@@ -119,7 +134,10 @@ def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
         stages=tuple(s.name for s in cfg.hierarchy.stages),
         kinds=tuple(s.kind for s in cfg.hierarchy.stages),
         max_proposal=(8,) * 4,
-        costs={(3,): [[[1, 0.04]]], (1, 3): [[[1, 0.004], [16, 0.006]], [[1, 0.044], [16, 0.05]]]},
+        costs={
+            (3,): [{"points": [[1, 0.04]]}],
+            (1, 3): [{"points": [[1, 0.004], [16, 0.006]]}, {"points": [[1, 0.044], [16, 0.05]]}],
+        },
         threads={1: 2, 2: 1},
         agreement=agreement(list(range(30)), [-1] * 30, list(range(30)), [-1] * 30),
     )
