@@ -14,6 +14,7 @@ from pipespec_mpi.records import (
     RESULTS,
     SUMMARY,
     BenchmarkRow,
+    Record,
     read_records,
     write_benchmark,
     write_records,
@@ -24,8 +25,14 @@ from pipespec_mpi.run.jobs import Prompt
 
 def finalize(cfg: AppConfig, run_dir: Path, prompts: list[Prompt]) -> None:
     records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
-    order = {pid: i for i, (pid, _, _) in enumerate(prompts)}
-    records.sort(key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
+    write_run_files(cfg, run_dir, records, [pid for pid, _, _ in prompts])
+
+
+def write_run_files(cfg: AppConfig, run_dir: Path, records: list[Record], prompt_order: list[str]) -> None:
+    """results.jsonl (warm-ups first, then in prompt order), summary.json, benchmark.json and the
+    printed table, from ``records`` (a run's parts, or an array's shards: pipespec_mpi/shards.py)."""
+    order = {pid: i for i, pid in enumerate(prompt_order)}
+    records = sorted(records, key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
     write_records(run_dir / RESULTS, records)
     summary = metrics.summarize(records)
     write_summary(run_dir / SUMMARY, summary)

@@ -245,6 +245,10 @@ def jobs(slurm, tmp_path_factory):
             [*SBATCH, "--array=0-1", "slurm/pipespec_array.sbatch", *APP],
             tmp / "array-%A_%a.out",
         )
+        submitted["lost_shard"] = sbatch(
+            [*SBATCH, "--array=0-1", "slurm/pipespec_array.sbatch", *APP, "dataset.n_prompts=3"],
+            tmp / "lost-%A_%a.out",
+        )
         submitted["replicas"] = sbatch(
             [*SBATCH, "--ntasks-per-node=6", "--gpus-per-node=6", "slurm/pipespec.sbatch", *APP],
             tmp / "replicas-%j.out",
@@ -325,6 +329,35 @@ def test_array_tasks_decode_disjoint_shards(jobs):
         results = check_run_dir(base / f"shard-{shard}", n_results=1, n_ranks=3, context=out)
         ids += [r["prompt_id"] for r in results]
     assert sorted(ids) == ["synthetic/0", "synthetic/1"], ids
+    shutil.rmtree(base)
+
+
+def test_an_unfinished_shard_is_resubmitted_alone_and_the_shards_merge(jobs, tmp_path):
+    """A lost array task (its directory gone, as after a node failure): ``shards status`` finds
+    it, ``shards resubmit`` reruns only it into the same array directory, ``shards merge`` writes
+    one results.jsonl with every prompt."""
+    job = jobs["lost_shard"]
+    assert_completed(job, n_tasks=2)
+    base = ROOT / "outputs" / "slurm" / job.job_id
+    shutil.rmtree(base / "shard-1")
+    shards = [sys.executable, "-m", "pipespec_mpi.shards"]
+    status = run([*shards, "status", str(base)], timeout=60, cwd=ROOT)
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert "shard-1: 0/1 not started" in status.stdout and "missing: 1" in status.stdout, status.stdout
+    out = tmp_path / "again-%A_%a.out"
+    proc = run([*shards, "resubmit", str(base), "--", *SBATCH, "--parsable", f"--output={out}"],
+               timeout=60, cwd=ROOT, env=job_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--array=1 " in proc.stdout and "PIPESPEC_SHARD_COUNT=2" in proc.stdout, proc.stdout
+    again = Job(proc.stdout.strip().splitlines()[-1].split(";")[0], str(out))
+    assert_completed(again)
+    assert "++dataset.shard_index=1 ++dataset.shard_count=2 run.resume=true" in again.output()
+    assert run([*shards, "status", str(base)], timeout=60, cwd=ROOT).returncode == 0
+    merged = run([*shards, "merge", str(base)], timeout=60, cwd=ROOT)
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    results = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines() if x.strip()]
+    assert sorted(r["prompt_id"] for r in results) == ["synthetic/0", "synthetic/1", "synthetic/2"]
+    assert json.loads((base / "summary.json").read_text())["pipespec"]["n_prompts"] == 3
     shutil.rmtree(base)
 
 

@@ -1,0 +1,200 @@
+"""A job array's shards: what is missing, resubmitting only that, and merging the shards.
+
+  python -m pipespec_mpi.shards status   outputs/slurm/<array job id>
+  python -m pipespec_mpi.shards resubmit outputs/slurm/<array job id> [--dry-run] [-- SBATCH OPTIONS]
+  python -m pipespec_mpi.shards merge    outputs/slurm/<array job id>
+
+An array run directory holds ``shard-<i>/`` per task (slurm/pipespec_array.sbatch). A shard is
+finished when its run directory holds every (prompt, method, sample) its config asks for; what a
+shard should hold is recomputed from its own ``.hydra/config.yaml`` (the dataset, the shard, the
+methods), and what it holds is what ``run.resume`` would skip. ``resubmit`` submits the unfinished
+shards as one array (``--array=1,3``) into the same directory with ``run.resume=true``, so each
+redoes only its missing prompts; ``merge`` writes the array directory's ``results.jsonl``,
+``summary.json`` (and ``benchmark.json``) from every shard, as one run would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pipespec_mpi.config import AppConfig
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.records import RESULTS, Record, read_records
+from pipespec_mpi.run.jobs import JobKey, done_jobs
+
+ROOT = Path(__file__).resolve().parent.parent
+ARRAY_SCRIPT = ROOT / "slurm" / "pipespec_array.sbatch"
+SHARD_DIR = re.compile(r"shard-(\d+)$")
+# the overrides the array script adds itself (and resubmit sets again)
+OWN_OVERRIDES = ("hydra.run.dir=", "++dataset.shard_index=", "++dataset.shard_count=", "run.resume=")
+
+
+class ShardError(UserError):
+    pass
+
+
+@dataclass(frozen=True)
+class ShardState:
+    index: int
+    expected: int  # (prompt, method, sample) triples its config asks for
+    done: int
+    started: bool  # its run directory exists
+
+    @property
+    def finished(self) -> bool:
+        return self.started and self.done >= self.expected
+
+
+def shard_dirs(array_dir: Path) -> dict[int, Path]:
+    found = {}
+    for p in Path(array_dir).iterdir() if Path(array_dir).is_dir() else ():
+        m = SHARD_DIR.match(p.name)
+        if m and p.is_dir():
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def run_config(run_dir: Path) -> AppConfig:
+    """The typed config a run directory was made with (its ``.hydra/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    from pipespec_mpi.config import load_config
+
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.exists():
+        raise ShardError(f"{path}: missing (not a pipespec_mpi run directory, or its rank 0 never started)")
+    return load_config(OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(path)))
+
+
+def expected_jobs(cfg: AppConfig) -> set[JobKey]:
+    """What a run of ``cfg`` decodes: its shard of the prompts, each method and sample."""
+    from pipespec_mpi.data.datasets import load_prompts, shard
+
+    ds = cfg.dataset
+    mine = shard(load_prompts(ds), ds.shard_index, ds.shard_count)
+    methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
+    return {(p.id, m, k) for p in mine for m in methods for k in range(cfg.sampling.num_samples)}
+
+
+def array_config(array_dir: Path) -> AppConfig:
+    dirs = shard_dirs(array_dir)
+    for d in dirs.values():
+        if (d / ".hydra" / "config.yaml").exists():
+            return run_config(d)
+    raise ShardError(f"{array_dir}: no shard-<i>/ with a .hydra/config.yaml: nothing to go by")
+
+
+def status(array_dir: Path) -> tuple[AppConfig, list[ShardState]]:
+    """Every shard of the array (also those that never started), finished or not."""
+    cfg = array_config(array_dir)
+    dirs = shard_dirs(array_dir)
+    out = []
+    for i in range(cfg.dataset.shard_count):
+        mine = replace(cfg, dataset=replace(cfg.dataset, shard_index=i))
+        want = expected_jobs(mine)
+        d = dirs.get(i)
+        have = done_jobs(d) & want if d is not None else set()
+        out.append(ShardState(i, len(want), len(have), d is not None))
+    return cfg, out
+
+
+def array_spec(indices: Sequence[int]) -> str:
+    """Slurm's --array value: runs of consecutive ids as ranges (``0-2,5``)."""
+    parts, run = [], []
+    for i in sorted(indices):
+        if run and i != run[-1] + 1:
+            parts.append(run)
+            run = []
+        run.append(i)
+    if run:
+        parts.append(run)
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in parts)
+
+
+def user_overrides(array_dir: Path) -> list[str]:
+    """The Hydra overrides the array was submitted with (from a shard's .hydra/overrides.yaml)."""
+    from omegaconf import OmegaConf
+
+    for d in shard_dirs(array_dir).values():
+        path = d / ".hydra" / "overrides.yaml"
+        if path.exists():
+            return [o for o in OmegaConf.load(path) if not str(o).startswith(OWN_OVERRIDES)]
+    raise ShardError(f"{array_dir}: no shard has .hydra/overrides.yaml")
+
+
+def resubmit_command(
+    array_dir: Path, missing: Sequence[int], count: int, sbatch_args: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the sbatch that reruns ``missing`` into ``array_dir``."""
+    argv = ["sbatch", f"--array={array_spec(missing)}", *sbatch_args, str(ARRAY_SCRIPT)]
+    argv += user_overrides(array_dir)
+    env = {"PIPESPEC_SHARDS_OF": str(Path(array_dir).resolve()), "PIPESPEC_SHARD_COUNT": str(count)}
+    return argv, env
+
+
+def merge(array_dir: Path) -> list[Record]:
+    """Every shard's records (results.jsonl and parts, each job once) written as the array
+    directory's results.jsonl, summary.json and benchmark.json."""
+    from pipespec_mpi.data.datasets import load_prompts
+    from pipespec_mpi.run.finalize import write_run_files
+
+    cfg = array_config(array_dir)
+    records: dict[tuple, Record] = {}
+    for d in shard_dirs(array_dir).values():
+        for p in [d / RESULTS, *sorted((d / "parts").glob("*.jsonl"))]:
+            if p.exists():
+                for r in read_records(p):
+                    records.setdefault((r.prompt_id, r.method, r.sample_idx, r.warmup), r)
+    order = [p.id for p in load_prompts(cfg.dataset)]
+    merged = list(records.values())
+    write_run_files(cfg, Path(array_dir), merged, order)
+    return merged
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipespec_mpi.shards", description=__doc__.split("\n")[0])
+    ap.add_argument("action", choices=["status", "resubmit", "merge"])
+    ap.add_argument("array_dir", type=Path, help="outputs/slurm/<array job id> (holds shard-<i>/)")
+    ap.add_argument("--dry-run", action="store_true", help="resubmit: print the sbatch, do not run it")
+    ap.add_argument("sbatch_args", nargs="*", help="resubmit: options for sbatch (after --)")
+    a = ap.parse_args(argv)
+    try:
+        cfg, states = status(a.array_dir)
+        missing = [s.index for s in states if not s.finished]
+        if a.action == "status":
+            for s in states:
+                what = "finished" if s.finished else ("not started" if not s.started else "unfinished")
+                print(f"shard-{s.index}: {s.done}/{s.expected} {what}")
+            print(f"missing: {array_spec(missing) or 'none'}")
+            return 0 if not missing else 3
+        if a.action == "resubmit":
+            if not missing:
+                print("every shard is finished: nothing to resubmit")
+                return 0
+            cmd, env = resubmit_command(a.array_dir, missing, cfg.dataset.shard_count, a.sbatch_args)
+            shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd)
+            if a.dry_run:
+                print(shown)
+                return 0
+            print(shown, flush=True)
+            return subprocess.run(cmd, env={**os.environ, **env}, cwd=ROOT).returncode
+        merged = merge(a.array_dir)
+        print(f"merged {len(merged)} records of {len(states)} shards into {a.array_dir}")
+        if missing:
+            print(f"still missing: shards {array_spec(missing)}", file=sys.stderr)
+            return 3
+        return 0
+    except UserError as err:
+        print(f"pipespec_mpi.shards: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
