@@ -1,9 +1,11 @@
 """The end of a run, on rank 0: every replica's part merged into results.jsonl (warm-ups first,
-then in prompt order), summary.json, benchmark.json (run.mode=benchmark) and a printed table."""
+then in prompt order), summary.json, benchmark.json (run.mode=benchmark), a printed table, and
+under Slurm the job's accounting appended to slurm.json."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,11 +23,13 @@ from pipespec_mpi.records import (
     write_summary,
 )
 from pipespec_mpi.run.jobs import Prompt
+from pipespec_mpi.run.slurm_info import append_slurm_record
 
 
 def finalize(cfg: AppConfig, run_dir: Path, prompts: list[Prompt]) -> None:
     records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
     write_run_files(cfg, run_dir, records, [pid for pid, _, _ in prompts])
+    append_slurm_record(run_dir, os.environ)
 
 
 def write_run_files(cfg: AppConfig, run_dir: Path, records: list[Record], prompt_order: list[str]) -> None:

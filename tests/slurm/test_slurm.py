@@ -303,6 +303,9 @@ def test_sbatch_runs_one_pipeline_of_three_ranks(jobs):
     run_dir = ROOT / "outputs" / "slurm" / job.job_id
     results = check_run_dir(run_dir, n_results=2, n_ranks=3, context=out)
     assert {r["prompt_id"] for r in results} == {"synthetic/0", "synthetic/1"}
+    (slurm_run,) = json.loads((run_dir / "slurm.json").read_text())  # the job's accounting
+    assert slurm_run["job_id"] == job.job_id and slurm_run["n_tasks"] == 3, slurm_run
+    assert slurm_run["node_list"] and slurm_run["restart_count"] == 0, slurm_run
     shutil.rmtree(run_dir)
 
 
