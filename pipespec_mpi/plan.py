@@ -423,11 +423,10 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
     ``hierarchy=auto`` would measure and choose here, printed, with the command that runs it."""
     import os
 
-    from pipespec_mpi.auto.calibrate import Node, calibrate
+    from pipespec_mpi.auto.calibrate import Node, calibrate, calibration_prompts
     from pipespec_mpi.auto.choose import table as plan_table
     from pipespec_mpi.errors import UserError
     from pipespec_mpi.models.loader import load_tokenizer
-    from pipespec_mpi.run.jobs import tokenize_prompts
 
     overrides = list(overrides)
     if not any(o.startswith("hierarchy=") for o in overrides):
@@ -448,8 +447,7 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
             cores=cores, ranks_on_node=ranks, ranks_per_replica=ranks // cfg.auto.replicas, bound=False
         )
         tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
-        prompts = [ids for _, ids, _ in tokenize_prompts(cfg, tok)]
-        cal = calibrate(cfg, prompts, tok.eos_token_id, node)
+        cal = calibrate(cfg, calibration_prompts(cfg, tok), tok.eos_token_id, node)
     except (UserError, ValueError, OSError) as err:
         print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pipespec_mpi.auto import fingerprint
 from pipespec_mpi.auto.choose import (
@@ -45,6 +46,30 @@ class Calibration:
     cache_files: tuple[str, ...]
     not_measured: tuple[tuple[str, ...], ...] = ()  # pipelines with a drafter slower than the target
     phases: dict[str, float] | None = None  # seconds: starting the workers, agreement, costs
+
+
+def calibration_prompts(cfg: AppConfig, tokenizer) -> list[list[int]]:
+    """Token ids of the prompts to calibrate on: the job's own first ones, or those of
+    ``auto.calibration_path`` (read as ``dataset=jsonl``, tokenized as the job's)."""
+    from pipespec_mpi.data.datasets import DatasetError
+    from pipespec_mpi.run.jobs import tokenize_prompts
+
+    a, ds = cfg.auto, cfg.dataset
+    if a.calibration_path:
+        if not Path(a.calibration_path).is_file():
+            raise DatasetError(f"auto.calibration_path={a.calibration_path!r}: no such file")
+        given = replace(
+            ds, name="jsonl", path=a.calibration_path, n_prompts=a.calibration_prompts, shuffle=False
+        )
+        try:
+            items = tokenize_prompts(replace(cfg, dataset=given), tokenizer)
+        except DatasetError as err:
+            raise DatasetError(f"auto.calibration_path: {err}") from err
+    else:
+        items = tokenize_prompts(cfg, tokenizer)
+    if not items:
+        raise DatasetError("no prompts to calibrate on")
+    return [ids for _, ids, _ in items[: a.calibration_prompts]]
 
 
 def _prompt_digest(prompts: Sequence[Sequence[int]]) -> str:

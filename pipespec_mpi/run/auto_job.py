@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, summary
+from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary
 from pipespec_mpi.auto.choose import realize, table
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
@@ -52,13 +52,10 @@ def node_of(cfg: AppConfig, world: World) -> Node:
 
 def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
     from pipespec_mpi.models.loader import load_tokenizer
-    from pipespec_mpi.run.jobs import tokenize_prompts
 
     node = node_of(cfg, world)
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
-    prompts = [ids for _, ids, _ in tokenize_prompts(cfg, tok)]
-    if not prompts:
-        raise AutoError(f"dataset {cfg.dataset.name!r} gave no prompts to calibrate on")
+    prompts = calibration_prompts(cfg, tok)
     cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
     chosen = realize(cfg, cal.plan, node.bound)
     log.info(

@@ -164,3 +164,20 @@ def test_the_cache_answers_only_for_what_it_was_measured_for(tmp_path):
     assert cache.get("costs", {**parts, "stages": ["a"]}) is None
     cache.path("costs", parts).write_text('{"for": ')  # torn: measured again, never trusted
     assert cache.get("costs", parts) is None
+
+
+def test_calibration_prompts_are_the_jobs_first_or_a_given_file(tmp_path):
+    from pipespec_mpi.auto.calibrate import calibration_prompts
+    from pipespec_mpi.data.datasets import DatasetError
+    from pipespec_mpi.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(None)
+    base = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=5", "auto.calibration_prompts=2"]
+    own = calibration_prompts(compose_config(base), tok)
+    assert len(own) == 2
+    given = tmp_path / "calib.jsonl"
+    given.write_text('{"prompt": "def f(x):"}\n{"prompt": "abc"}\n{"prompt": "unused"}\n')
+    got = calibration_prompts(compose_config([*base, f"auto.calibration_path={given}"]), tok)
+    assert got == [tok.encode("def f(x):", chat=False), tok.encode("abc", chat=False)] != own
+    with pytest.raises(DatasetError, match="auto.calibration_path"):
+        calibration_prompts(compose_config([*base, "auto.calibration_path=/nonexistent.jsonl"]), tok)
