@@ -45,6 +45,9 @@ class ConfigError(UserError, ValueError):
         self.problems = list(problems)
         super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
 
+    def __reduce__(self):  # pickled to the other ranks (hierarchy=auto plans on rank 0)
+        return (type(self), (self.problems,), self.__dict__)
+
 
 @dataclass
 class TinyBaseConfig:

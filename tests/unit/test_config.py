@@ -102,3 +102,13 @@ def test_prompt_lookup_only_heads_a_hierarchy():
     c = compose_config(["hierarchy=tiny"])
     c.hierarchy.stages = (c.hierarchy.stages[0], StageConfig("pl", "prompt_lookup"), c.hierarchy.stages[2])
     assert any("only be stage 0" in p for p in validate(c))
+
+
+def test_a_config_error_survives_pickling_with_its_problems():
+    """hierarchy=auto finds some problems on rank 0 and broadcasts the error to every rank."""
+    import pickle
+
+    err = ConfigError(["auto.replicas=2 does not divide the world size 3"])
+    err.collective = True
+    back = pickle.loads(pickle.dumps(err))
+    assert back.problems == err.problems and str(back) == str(err) and back.collective
