@@ -97,7 +97,7 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> None:
         if job.world.rank == 0:
             auto_job.add_measured(run_dir, job.record)
         job.world.comm.Free()
-    auto_job.wait_for_job_end(world.comm)
+    auto_job.sleep_at_barrier(world.comm)  # with the spare ranks
 
 
 class StageTag(logging.Filter):

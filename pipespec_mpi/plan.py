@@ -421,8 +421,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
     """``--measure``: what ``mpirun -n RANKS python -m pipespec_mpi OVERRIDES`` with
     ``hierarchy=auto`` would measure and choose here, printed, with the command that runs it."""
-    import os
-
     from pipespec_mpi.auto.calibrate import Node, calibrate, calibration_prompts
     from pipespec_mpi.auto.choose import table as plan_table
     from pipespec_mpi.errors import UserError
@@ -438,14 +436,7 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
         if not cfg.hierarchy.choose:
             overrides.append("hierarchy.choose=true")
             cfg = compose_config(overrides)
-        if ranks < 1 or ranks % cfg.auto.replicas:
-            raise ValueError(
-                f"--ranks {ranks}: must be a positive multiple of auto.replicas={cfg.auto.replicas}"
-            )
-        cores = len(os.sched_getaffinity(0))
-        node = Node(
-            cores=cores, ranks_on_node=ranks, ranks_per_replica=ranks // cfg.auto.replicas, bound=False
-        )
+        node = Node.here(cfg.auto.replicas, ranks, ranks_on_node=ranks, bound=False)
         tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
         cal = calibrate(cfg, calibration_prompts(cfg, tok), tok.eos_token_id, node)
     except (UserError, ValueError, OSError) as err:
@@ -455,7 +446,7 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
     if cal.phases:
         got += " (" + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in cal.phases.items()) + ")"
     print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "
-          f"{cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
+          f"{node.cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
     print(plan_table(cal.plan))
     print(
         f"    mpirun -n {ranks} python -m pipespec_mpi {' '.join(o for o in overrides if 'force' not in o)}"

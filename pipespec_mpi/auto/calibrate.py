@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from pipespec_mpi.auto.choose import (
     threads_per_rank,
 )
 from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs
-from pipespec_mpi.config import AppConfig
+from pipespec_mpi.config import AppConfig, ConfigError
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -35,6 +36,17 @@ class Node:
     ranks_on_node: int  # the job's ranks on this node
     ranks_per_replica: int  # most stages a pipeline may have (world size / auto.replicas)
     bound: bool  # the launcher gave each rank its own cores (srun --cpus-per-task)
+
+    @classmethod
+    def here(cls, replicas: int, world_size: int, ranks_on_node: int, bound: bool | None = None) -> Node:
+        """This process's node for a job of ``world_size`` ranks, ``ranks_on_node`` of them here;
+        ``bound`` unset: judged from this process's CPU affinity."""
+        if world_size < 1 or world_size % replicas:
+            raise ConfigError([f"auto.replicas={replicas} does not divide the world size {world_size}"])
+        cores = len(os.sched_getaffinity(0))
+        if bound is None:
+            bound = cores < (os.cpu_count() or cores)  # the launcher gave this rank its own cores
+        return cls(cores, ranks_on_node, world_size // replicas, bound)
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,13 @@ class GlooSender(_TorchSender):
         return True
 
 
+def nccl_device(device):
+    """The CUDA device of an nccl link's buffers (there is no default: the rank's GPU)."""
+    if device is None:
+        raise ValueError("an nccl link needs the CUDA device of its buffers")
+    return device
+
+
 class NcclSender(_TorchSender):
     """Device tensors: a message is encoded in a host buffer and copied to its device buffer
     (synchronously, so the host buffer is free again at once); sends polled with is_completed."""
@@ -225,9 +232,7 @@ class NcclSender(_TorchSender):
     def __init__(
         self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
     ) -> None:
-        if device is None:
-            raise ValueError("an nccl link needs the CUDA device of its buffers")
-        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width)
         self.host = np.zeros(buffer_words(max_msg_tokens, dist_width), dtype=np.int64)
 
     def _host(self, i: int) -> np.ndarray:
@@ -343,9 +348,7 @@ class NcclReceiver(_PolledReceiver):
     def __init__(
         self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
     ) -> None:
-        if device is None:
-            raise ValueError("an nccl link needs the CUDA device of its buffers")
-        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width)
 
     def _new_buffer(self, words: int):
         import torch

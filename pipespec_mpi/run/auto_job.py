@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +20,10 @@ from pipespec_mpi.auto.choose import realize, table
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.records import SUMMARY
+from pipespec_mpi.records import SUMMARY, read_summary
 
 log = logging.getLogger("pipespec_mpi")
 PLAN = "plan.json"
-
-
-class AutoError(UserError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -38,22 +33,10 @@ class AutoJob:
     record: dict  # what plan.json holds
 
 
-def node_of(cfg: AppConfig, world: World) -> Node:
-    cores = len(os.sched_getaffinity(0))
-    if world.size % cfg.auto.replicas:
-        raise AutoError(f"auto.replicas={cfg.auto.replicas} does not divide the world size {world.size}")
-    return Node(
-        cores=cores,
-        ranks_on_node=world.local_size,
-        ranks_per_replica=world.size // cfg.auto.replicas,
-        bound=cores < (os.cpu_count() or cores),  # the launcher gave this rank its own cores
-    )
-
-
 def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
     from pipespec_mpi.models.loader import load_tokenizer
 
-    node = node_of(cfg, world)
+    node = Node.here(cfg.auto.replicas, world.size, world.local_size)
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
     prompts = calibration_prompts(cfg, tok)
     cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
@@ -86,7 +69,7 @@ def resolve(cfg: AppConfig, world: World) -> AutoJob:
             chosen, record = choose_on_rank0(cfg, world)
         except UserError as e:
             err = e
-    wait_for_job_end(comm)  # the others sleep meanwhile: MPICH's bcast would spin their cores
+    sleep_at_barrier(comm)  # the others sleep meanwhile: MPICH's bcast would spin their cores
     chosen, record, err = comm.bcast((chosen, record, err), root=0)
     if err is not None:
         err.collective = True
@@ -106,8 +89,7 @@ def write_plan(run_dir: Path, record: dict) -> None:
 
 def add_measured(run_dir: Path, record: dict) -> None:
     """After the run: the measured ms/token beside the prediction (rank 0)."""
-    summ = json.loads((run_dir / SUMMARY).read_text())
-    measured = {m: s.get("ms_per_token") for m, s in summ.items() if isinstance(s, dict)}
+    measured = {m: s.ms_per_token for m, s in read_summary(run_dir / SUMMARY).items()}
     record = {**record, "measured_ms_per_token": measured}
     chosen = record["chosen"]
     got = measured.get(chosen["method"])
@@ -123,11 +105,11 @@ def add_measured(run_dir: Path, record: dict) -> None:
     write_plan(run_dir, record)
 
 
-def wait_for_job_end(comm) -> None:
-    """A barrier waited for by sleeping: while rank 0 measures (a spinning rank would take a
-    core from the measurement: a calibration with two ranks spinning in MPICH's bcast took
-    133 s instead of 37, and timed the target's step at 263 ms instead of 34), and on a spare
-    rank until the job ends (hours, maybe)."""
+def sleep_at_barrier(comm) -> None:
+    """A barrier waited for by sleeping, without a deadline: while rank 0 measures (a spinning
+    rank would take a core from the measurement: a calibration with two ranks spinning in
+    MPICH's bcast took 133 s instead of 37, and timed the target's step at 263 ms instead of
+    34), and on a spare rank until the job ends (hours, maybe)."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.05)
