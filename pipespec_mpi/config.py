@@ -187,6 +187,9 @@ class TransportConfig:
     iface: str | None = None  # the rendezvous interface for gloo/nccl (None: picked)
 
 
+EPOCHS_WINDOWS = ("auto", "shared", "push", "rma")
+
+
 @dataclass
 class RunConfig:
     """The job around the decoding: one method, or all of them interleaved (``mode=benchmark``:
@@ -199,7 +202,9 @@ class RunConfig:
     resume: bool = False  # skip (prompt, method, sample) triples already in this run directory
     stall_timeout_s: float = 120.0  # a stage that sees no progress this long aborts the job
     progress: bool = True
-    epochs_window: str = "auto"  # auto: shared memory when every pipeline is node-local; rma
+    # auto: shared memory when every pipeline is node-local, else push (comm/window.py); rma: the
+    # passive-target RMA window (reads wait for a computing owner under MPICH; for comparison)
+    epochs_window: str = "auto"
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)  # Hydra hands over a list
@@ -388,8 +393,8 @@ def validate(cfg: AppConfig) -> list[str]:
     for m in r.methods:
         if m not in METHODS:
             p.append(f"run.methods: {m!r} is not one of {METHODS}")
-    if r.epochs_window not in ("auto", "rma"):
-        p.append(f"run.epochs_window={r.epochs_window!r}: must be auto or rma")
+    if r.epochs_window not in EPOCHS_WINDOWS:
+        p.append(f"run.epochs_window={r.epochs_window!r}: must be one of {EPOCHS_WINDOWS}")
     if r.stall_timeout_s <= 0:
         p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
 

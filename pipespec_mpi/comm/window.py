@@ -9,7 +9,7 @@ Each rank exposes one int64 window: a header, then its committed (generated) tok
   header[4] want     SD only: the position up to which this stage wants proposals (0 = none)
   header[5] idle     1 when this stage cannot produce more right now (cap reached, no lookup hit)
 
-Two implementations with one interface:
+Three implementations with one interface:
 
 ``SharedEpochWindow`` (the default when every pipeline sits on one node): ``MPI.Win.Allocate_shared``
 on the node; readers load the owner's segment directly, consistency by a sequence lock (header[7]
@@ -19,12 +19,20 @@ odd while the owner writes; a reader retries on a change). A read never waits fo
 Unlock. Under MPICH a Get is only served when the owner enters MPI, so a read can wait for the
 owner's current forward; measured here: 0.03 ms against an idle owner, up to a forward's length
 against a busy one. Hence the shared window wherever it applies.
+
+``PushedEpochWindow`` (the default across nodes): the owner pushes every header it publishes, with
+the tokens changed since the last one, to the neighbours that read it, as non-blocking messages;
+a read drains what has arrived and returns the newest copy. A read never waits for the owner, only
+for the network: it sees a version published one message latency ago, which is what the other two
+windows give a reader a moment later anyway (the schedule explorer's window returns any version not
+older than the last one seen, which covers it). Messages between two ranks are not overtaken
+(MPI's ordering), so the copies go through the owner's versions in order.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -224,3 +232,128 @@ class SharedEpochWindow:
             self.win.Unlock_all()
             self.win.Free()
             self.win = None
+
+
+PUSH_TAG = 1  # on the window's own (duplicated) communicator
+
+
+class PushedEpochWindow:
+    """Epochs across nodes: every publish is pushed to the neighbours that read this rank.
+
+    ``readers``: the ranks that read this one (its pipeline neighbours); ``sources``: the ranks
+    this one reads. Every rank of ``comm`` must construct (and free) it together. A message is
+    int64 ``[header[:HEADER], dirty_from, tokens[dirty_from:]]``; to a rank that only reads the
+    header (the downstream reads its upstream's idle flag) the tokens are left out. Heartbeats
+    stay in an RMA window (read only to name a stalled peer, so a slow read costs nothing).
+    """
+
+    def __init__(
+        self,
+        comm,
+        max_tokens: int,
+        readers: Iterable[int],
+        sources: Iterable[int],
+        header_only: Iterable[int] = (),
+    ) -> None:
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.max_tokens = max_tokens
+        self.comm = comm.Dup()
+        self.readers = sorted(set(readers))
+        self.header_only = set(header_only)
+        self.beats = EpochWindow(comm, 0)
+        self._sends: list = []  # (request, buffer): a buffer lives until its send completes
+        self._status = MPI.Status()
+        self._copies: dict[int, tuple[np.ndarray, list[int]]] = {}
+        for r in sources:
+            blank = np.zeros(HEADER, dtype=np.int64)
+            blank[PROMPT] = -1
+            self._copies[r] = (blank, [])
+        self._buf = np.empty(HEADER + 1 + max_tokens, dtype=np.int64)
+        self.messages_sent = 0
+
+    # -- the owner's side --------------------------------------------------------------------
+    def publish(
+        self,
+        *,
+        prompt: int,
+        epoch: int,
+        tokens: Sequence[int],
+        dirty_from: int,
+        done: bool = False,
+        want: int = 0,
+        idle: bool = False,
+    ) -> None:
+        n = len(tokens)
+        if n > self.max_tokens:
+            raise ValueError(f"{n} committed tokens exceed the window's {self.max_tokens}")
+        self._reap()
+        dirty_from = min(dirty_from, n)
+        full = np.empty(HEADER + 1 + n - dirty_from, dtype=np.int64)
+        full[:6] = (prompt, epoch, n, int(done), want, int(idle))
+        full[BEAT], full[SEQ], full[HEADER] = now_ms(), 0, dirty_from
+        full[HEADER + 1 :] = tokens[dirty_from:]
+        for r in self.readers:
+            buf = full[: HEADER + 1] if r in self.header_only else full
+            self._sends.append((self.comm.Isend(buf, r, PUSH_TAG), buf))
+            self.messages_sent += 1
+
+    def _reap(self) -> None:
+        if self._sends:
+            self._sends = [(req, buf) for req, buf in self._sends if not req.Test()]
+
+    # -- readers ------------------------------------------------------------------------------
+    def _drain(self, rank: int) -> tuple[np.ndarray, list[int]]:
+        """Apply every message that has arrived from ``rank``, in order; the newest copy."""
+        MPI, st = self._MPI, self._status
+        hdr, toks = self._copies[rank]
+        while self.comm.Iprobe(rank, PUSH_TAG, st):
+            count = st.Get_count(MPI.INT64_T)
+            if count == 1:
+                break  # the end marker: free() takes it
+            buf = self._buf[:count]
+            self.comm.Recv(buf, rank, PUSH_TAG)
+            hdr = buf[:HEADER].copy()
+            dirty_from, n = int(buf[HEADER]), int(hdr[LENGTH])
+            if count > HEADER + 1 or dirty_from >= n:  # header-only copies keep no tokens
+                toks = toks[:dirty_from] + buf[HEADER + 1 : count].tolist()
+                del toks[n:]
+        self._copies[rank] = (hdr, toks)
+        return hdr, toks
+
+    def header(self, rank: int) -> Header:
+        return Header.of(self._drain(rank)[0])
+
+    def snapshot(self, rank: int) -> tuple[Header, list[int]]:
+        hdr, toks = self._drain(rank)
+        if rank in self._copies and len(toks) != int(hdr[LENGTH]):
+            raise RuntimeError(f"rank {rank}'s tokens were not pushed here (a header-only reader)")
+        return Header.of(hdr), list(toks)
+
+    def beat(self) -> None:
+        self.beats.beat()
+
+    def heartbeat_age_s(self, rank: int) -> float:
+        return self.beats.heartbeat_age_s(rank)
+
+    def free(self) -> None:
+        """Close the pushes: send each reader a one-element end marker, take in everything up
+        to each source's marker (messages between two ranks keep their order), free."""
+        if self.comm is None:
+            return
+        MPI, st = self._MPI, self._status
+        end = np.full(1, -1, dtype=np.int64)
+        self._sends += [(self.comm.Isend(end, r, PUSH_TAG), end) for r in self.readers]
+        for r in self._copies:
+            while True:
+                self.comm.Probe(r, PUSH_TAG, st)
+                if st.Get_count(MPI.INT64_T) == 1:
+                    self.comm.Recv(end[:1].copy(), r, PUSH_TAG)
+                    break
+                self._drain(r)
+        MPI.Request.Waitall([req for req, _ in self._sends])
+        self._sends = []
+        self.beats.free()
+        self.comm.Free()
+        self.comm = None

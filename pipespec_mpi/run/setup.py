@@ -17,8 +17,8 @@ from typing import Any
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
 from pipespec_mpi.comm.wait import wait_until
-from pipespec_mpi.comm.window import EpochWindow, SharedEpochWindow
-from pipespec_mpi.config import AppConfig
+from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+from pipespec_mpi.config import AppConfig, ConfigError
 from pipespec_mpi.data.datasets import DatasetError
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.run.jobs import Prompt, tokenize_prompts
@@ -184,6 +184,9 @@ def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer) -> int:
     return max(widths)
 
 
+AnyWindow = EpochWindow | SharedEpochWindow | PushedEpochWindow
+
+
 @dataclass
 class Links:
     """A rank's connections: proposal channels to its neighbours, its epochs window, and the
@@ -191,7 +194,7 @@ class Links:
 
     sender: Sender | None
     receiver: Receiver | None
-    window: EpochWindow | SharedEpochWindow
+    window: AnyWindow
     node_comm: Any
     replica_comm: Any
 
@@ -209,7 +212,7 @@ class Links:
 
 def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Links:
     """Proposal channels (with the distributions when Leviathan sampling), the epochs window
-    (shared memory when every pipeline is on one node, else passive-target RMA), communicators."""
+    (``open_window``), communicators."""
     MPI = mpi()
     comm = world.comm
     device = None
@@ -226,19 +229,38 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Link
     sender = open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
     receiver = open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
-    # Every pipeline on one node (the usual case): a shared-memory window whose reads never
-    # wait for the owner. Pipelines spanning nodes: the passive-target RMA window.
-    hosts = comm.allgather(world.hostname)
-    local = all(hosts[r] == hosts[r - r % pl.n_stages] for r in range(len(hosts)))
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    if local and cfg.run.epochs_window != "rma":
-        window = SharedEpochWindow(node_comm, max_tokens, world.rank)
-    else:
-        window = EpochWindow(comm, max_tokens)
+    window = open_window(cfg.run.epochs_window, comm, node_comm, world, pl, max_tokens)
     replica_comm = comm.Split(color=pl.replica, key=pl.stage)
     return Links(
         sender=sender, receiver=receiver, window=window, node_comm=node_comm, replica_comm=replica_comm
     )
+
+
+def window_kind(choice: str, hosts: list[str], n_stages: int) -> str:
+    """``auto``: shared memory when every pipeline sits on one node (its reads never wait), else
+    pushed headers (a read costs a probe, never the owner's forward: bench/comm_latency.py)."""
+    if choice != "auto":
+        return choice
+    local = all(hosts[r] == hosts[r - r % n_stages] for r in range(len(hosts)))
+    return "shared" if local else "push"
+
+
+def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_tokens: int) -> AnyWindow:
+    """This rank's epochs window (collective over ``comm``)."""
+    hosts = comm.allgather(world.hostname)
+    kind = window_kind(choice, hosts, pl.n_stages)
+    if kind == "shared":
+        if not all(hosts[r] == hosts[r - r % pl.n_stages] for r in range(len(hosts))):
+            raise ConfigError([f"run.epochs_window=shared: a pipeline spans nodes ({sorted(set(hosts))})"])
+        return SharedEpochWindow(node_comm, max_tokens, world.rank)
+    if kind == "rma":
+        return EpochWindow(comm, max_tokens)
+    up, down = pl.upstream, pl.downstream
+    neighbours = [r for r in (up, down) if r is not None]
+    # the upstream reads this rank's tokens (rollbacks); the downstream only its idle flag
+    header_only = [down] if down is not None else []
+    return PushedEpochWindow(comm, max_tokens, neighbours, neighbours, header_only=header_only)
 
 
 def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links) -> StageLoop:
