@@ -114,27 +114,36 @@ def run_wire(cfg: BedConfig, ready: Path | None = None) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK 1 ns: wake at the packet's due time, not 50 us later
     fds = [_open_tun(cfg.host(i)) for i in range(cfg.hosts)]
-    host_of = {fd: i for i, fd in enumerate(fds)}
-    prefix = bytes([10, cfg.net, 0])
-    delay = cfg.delay_ms / 1000
-    queues: list[deque[tuple[float, bytes]]] = [deque() for _ in fds]
-    stop = False
 
     def _stop(*_: object) -> None:
-        nonlocal stop
-        stop = True
+        raise _Stop  # out of select() (which PEP 475 would otherwise resume)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     if ready is not None:
         ready.write_text(str(os.getpid()))
-    while not stop:
+    try:
+        _carry(cfg, fds)
+    except _Stop:
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _carry(cfg: BedConfig, fds: list[int]) -> None:
+    host_of = {fd: i for i, fd in enumerate(fds)}
+    prefix = bytes([10, cfg.net, 0])
+    delay = cfg.delay_ms / 1000
+    queues: list[deque[tuple[float, bytes]]] = [deque() for _ in fds]
+    while True:
         due = min((q[0][0] for q in queues if q), default=None)
         timeout = None if due is None else max(0.0, due - time.monotonic())
-        try:
-            readable, _, _ = select.select(fds, [], [], timeout)
-        except InterruptedError:
-            continue
+        readable, _, _ = select.select(fds, [], [], timeout)
         now = time.monotonic()
         for fd in readable:
             pkt = os.read(fd, 65536)
@@ -150,8 +159,6 @@ def run_wire(cfg: BedConfig, ready: Path | None = None) -> None:
         for dst, q in enumerate(queues):
             while q and q[0][0] <= now:
                 os.write(fds[dst], q.popleft()[1])
-    for fd in fds:
-        os.close(fd)
 
 
 # ---- up / down ----------------------------------------------------------------------------------
@@ -171,6 +178,7 @@ class NetBed:
 
     def __init__(self, cfg: BedConfig) -> None:
         self.cfg = cfg
+        self._wire: subprocess.Popen | None = None  # when this object started it (reaped on down)
 
     def __enter__(self) -> NetBed:
         self.up()
@@ -204,7 +212,7 @@ class NetBed:
             args = [sys.executable, "-m", "pipespec_mpi.netbed", "wire", "--name", cfg.name]
             args += ["--hosts", str(cfg.hosts), "--delay-ms", str(cfg.delay_ms), "--net", str(cfg.net)]
             with open(cfg.state / "wire.log", "w") as log:
-                subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+                self._wire = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
             deadline = time.monotonic() + 30
             while not ready.exists():
                 if time.monotonic() > deadline:
@@ -223,10 +231,15 @@ class NetBed:
                 pid = int(pid_file.read_text())
                 os.kill(pid, signal.SIGTERM)
                 for _ in range(100):
+                    if self._wire is not None and self._wire.poll() is not None:
+                        break
                     os.kill(pid, 0)
                     time.sleep(0.02)
             except (ValueError, ProcessLookupError):
                 pass
+        if self._wire is not None:
+            self._wire.wait(timeout=5)
+            self._wire = None
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         for line in listed.splitlines():
             ns = line.split()[0] if line.strip() else ""
@@ -237,15 +250,9 @@ class NetBed:
 
     # -- running things on the bed ------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        """What the ranks need: UCX held to TCP over the bed's device (see the module docstring),
-        libfabric's TCP provider on it too, and the rendezvous interface for gloo."""
-        return {
-            "UCX_TLS": "tcp",
-            "UCX_NET_DEVICES": TUN,
-            "FI_PROVIDER": "tcp",
-            "FI_TCP_IFACE": TUN,
-            "GLOO_SOCKET_IFNAME": TUN,
-        }
+        """What MPI needs here: UCX held to TCP over the bed's device (see the module docstring),
+        libfabric's TCP provider on it too. (gloo's interface is left for pipespec_mpi to pick.)"""
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": TUN, "FI_PROVIDER": "tcp", "FI_TCP_IFACE": TUN}
 
     def mpirun(self, n: int, ppn: int, command: list[str], hosts: int | None = None) -> list[str]:
         """The argv that runs ``command`` as ``n`` MPI ranks, ``ppn`` per host, over the first

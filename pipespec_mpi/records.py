@@ -80,6 +80,8 @@ class Record:
     max_verify: int | None = None
     max_new_tokens: int
     transport: str
+    epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
+    hosts: list[str] = field(default_factory=list)  # per stage: the host it ran on
     hierarchy: str | None
     models: list[str]
     stages: list[StageStats]

@@ -3,7 +3,8 @@
 Rank, size and local rank come from mpi4py. torch.distributed is only initialised when a torch
 transport is chosen: rank 0 picks the rendezvous address and a free port and broadcasts them.
 On a single node the rendezvous binds to loopback (gloo otherwise resolves the host name to an
-address it may not be able to use); across nodes it uses the interface the user configures.
+address it may not be able to use); across nodes it uses the interface the user configures, or
+the one on the network every host shares (``pick_interface``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,60 @@ def _iface_address(iface: str) -> str:
     raise InterfaceError(f"transport.iface={iface}: the interface has no IPv4 address")
 
 
+Addresses = dict[str, list[tuple[str, str]]]  # interface -> [(IPv4 address, netmask)]
+
+
+def ipv4_interfaces() -> Addresses:
+    import psutil
+
+    return {
+        name: [(a.address, a.netmask) for a in addrs if a.family == socket.AF_INET and a.netmask]
+        for name, addrs in psutil.net_if_addrs().items()
+    }
+
+
+def pick_interface(mine: Addresses, others: list[Addresses]) -> str | None:
+    """The interface of ``mine`` whose IPv4 network holds an address of every host in ``others``
+    (the other hosts' interfaces), loopback excluded; None when there is none. Picked this way,
+    the rendezvous works without a resolvable host name or a configured interface (hosts whose
+    names resolve to an address on another network, or not at all, are common)."""
+    import ipaddress
+
+    for name in sorted(mine):
+        for addr, mask in mine[name]:
+            net = ipaddress.ip_interface(f"{addr}/{mask}").network
+            if net.is_loopback:
+                continue
+            if all(
+                any(ipaddress.ip_address(a) in net for addrs in other.values() for a, _ in addrs)
+                for other in others
+            ):
+                return name
+    return None
+
+
+def rendezvous_interface(world: World, configured: str | None) -> str:
+    """This rank's interface for the rendezvous and gloo's pairs (collective): the configured
+    one (``transport.iface``, else ``GLOO_SOCKET_IFNAME``), ``lo`` on one node, else the one on
+    the network shared with every other host (``pick_interface``)."""
+    configured = configured or os.environ.get("GLOO_SOCKET_IFNAME")
+    if world.n_nodes == 1:
+        return configured or "lo"
+    mine = ipv4_interfaces()
+    everyone = world.comm.allgather((world.hostname, mine))
+    if configured:
+        return configured
+    others = [addrs for host, addrs in dict(everyone).items() if host != world.hostname]
+    picked = pick_interface(mine, others)
+    if picked is None:
+        have = ", ".join(f"{n} {[a for a, _ in v]}" for n, v in sorted(mine.items()) if v)
+        raise InterfaceError(
+            f"no interface of {world.hostname} is on a network with every other host ({have}): "
+            "set transport.iface"
+        )
+    return picked
+
+
 def init_torch_distributed(world: World, backend: str, iface: str | None) -> None:
     """Initialise torch.distributed over the MPI world (rank 0 picks address and port)."""
     import torch.distributed as dist
@@ -99,18 +154,12 @@ def init_torch_distributed(world: World, backend: str, iface: str | None) -> Non
     if dist.is_initialized():
         return
     comm = world.comm
-    if world.n_nodes == 1:
-        iface = iface or "lo"
-    if iface:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    iface = rendezvous_interface(world, iface)
+    os.environ["GLOO_SOCKET_IFNAME"] = iface
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     addr = port = None
     if world.rank == 0:
-        addr = (
-            "127.0.0.1"
-            if world.n_nodes == 1
-            else (_iface_address(iface) if iface else socket.gethostbyname(socket.gethostname()))
-        )
+        addr = "127.0.0.1" if world.n_nodes == 1 else _iface_address(iface)
         with socket.socket() as s:
             s.bind((addr, 0))
             port = s.getsockname()[1]

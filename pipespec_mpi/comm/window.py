@@ -76,6 +76,8 @@ def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty
 class EpochWindow:
     """One window over ``comm``; every rank of ``comm`` must construct (and free) it together."""
 
+    kind = "rma"
+
     def __init__(self, comm, max_tokens: int) -> None:
         from mpi4py import MPI
 
@@ -160,6 +162,8 @@ class SharedEpochWindow:
     ``world_rank``: the ranks gather them, so that ``header(rank)`` and ``snapshot(rank)`` take world
     ranks (each one's segment is found by its rank in ``node_comm``).
     """
+
+    kind = "shared"
 
     def __init__(self, node_comm, max_tokens: int, world_rank: int) -> None:
         from mpi4py import MPI
@@ -246,6 +250,8 @@ class PushedEpochWindow:
     header (the downstream reads its upstream's idle flag) the tokens are left out. Heartbeats
     stay in an RMA window (read only to name a stalled peer, so a slow read costs nothing).
     """
+
+    kind = "push"
 
     def __init__(
         self,

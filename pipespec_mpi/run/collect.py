@@ -79,9 +79,16 @@ class RecordAssembler:
     """The results line of one job, from the leader's outcome and every stage's stats."""
 
     def __init__(
-        self, cfg: AppConfig, replica: int, transport: str, decode: Callable[[list[int]], str]
+        self,
+        cfg: AppConfig,
+        replica: int,
+        transport: str,
+        decode: Callable[[list[int]], str],
+        epochs_window: str | None = None,
+        hosts: list[str] | None = None,
     ) -> None:
         self.cfg, self.replica, self.transport, self.decode = cfg, replica, transport, decode
+        self.epochs_window, self.hosts = epochs_window, list(hosts or [])
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
         cfg = self.cfg
@@ -111,6 +118,8 @@ class RecordAssembler:
             max_verify=cfg.decode.max_verify,
             max_new_tokens=cfg.decode.max_new_tokens,
             transport=self.transport,
+            epochs_window=self.epochs_window,
+            hosts=self.hosts,
             hierarchy=cfg.hierarchy.name,
             models=[s.name for s in cfg.hierarchy.stages],
             stages=stats,

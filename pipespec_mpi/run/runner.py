@@ -40,12 +40,15 @@ class Runner:
         links = setup.connect(cfg, self.world, pl, loaded)
         loop = setup.stage_loop(cfg, pl, loaded, links)
         jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
+        hosts = links.replica_comm.allgather(self.world.hostname)  # per stage of this replica
         collector = None
         if pl.is_last:
+            assemble = RecordAssembler(
+                cfg, replica=pl.replica, transport=loaded.transport, decode=loaded.tokenizer.decode,
+                epochs_window=links.window.kind, hosts=hosts,
+            )  # fmt: skip
             collector = Collector(
-                RecordAssembler(
-                    cfg, replica=pl.replica, transport=loaded.transport, decode=loaded.tokenizer.decode
-                ),
+                assemble,
                 part=part_path(self.run_dir, pl.replica),
                 progress=progress_bar(cfg, pl, len(jobs)),
             )
