@@ -39,3 +39,17 @@ def test_unknown_interface_or_no_ipv4_is_a_user_error(monkeypatch):
     with pytest.raises(InterfaceError, match="ib0: the interface has no IPv4 address") as err:
         _iface_address("ib0")
     assert isinstance(err.value, UserError)
+
+
+def test_the_rendezvous_interface_is_the_one_on_every_hosts_network():
+    from pipespec_mpi.comm.bootstrap import pick_interface
+
+    mask = "255.255.255.0"
+    mine = {"lo": [("127.0.0.1", "255.0.0.0")], "eth0": [("192.168.5.2", mask)], "ib0": [("10.9.0.1", mask)]}
+    other = {"lo": [("127.0.0.1", "255.0.0.0")], "eth0": [("192.168.7.2", mask)], "ib0": [("10.9.0.2", mask)]}
+    third = {"ib0": [("10.9.0.3", mask)], "eth0": [("192.168.5.3", mask)]}
+    assert pick_interface(mine, [other]) == "ib0"  # eth0 is on another subnet than other's
+    assert pick_interface(mine, [other, third]) == "ib0"
+    assert pick_interface(mine, [third]) == "eth0"  # both shared: the first by name
+    assert pick_interface(mine, [{"lo": [("127.0.0.1", "255.0.0.0")]}]) is None  # loopback never
+    assert pick_interface({"lo": [("127.0.0.1", "255.0.0.0")]}, [other]) is None
