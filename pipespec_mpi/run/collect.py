@@ -23,18 +23,30 @@ def part_path(run_dir: Path, replica: int) -> Path:
     return run_dir / "parts" / f"replica-{replica}.jsonl"
 
 
-class BarrierGate:
-    """The start of a prompt: a non-blocking barrier over the replica's stages."""
+class VoteGate:
+    """The start of a prompt: a non-blocking vote over the replica's stages (an Iallreduce of
+    their stop requests, MAX), which is also their barrier. Every stage learns the same outcome,
+    so either all of them start the prompt or none does (run/drain.py)."""
 
-    def __init__(self, comm) -> None:
-        self.comm = comm
+    def __init__(self, comm, stop_requested: Callable[[], bool]) -> None:
+        import numpy as np
+
+        self.comm, self.stop_requested = comm, stop_requested
+        self.mine = np.zeros(1, dtype=np.int32)
+        self.vote = np.zeros(1, dtype=np.int32)
         self.req = None
 
     def open(self, seq: int) -> None:
-        self.req = self.comm.Ibarrier()
+        from mpi4py import MPI
+
+        self.mine[0] = int(self.stop_requested())
+        self.req = self.comm.Iallreduce(self.mine, self.vote, op=MPI.MAX)
 
     def passed(self) -> bool:
         return self.req.Test()
+
+    def stopped(self) -> bool:
+        return bool(self.vote[0])
 
 
 OnStats = Callable[[Job, StageOutcome, list[StageStats]], None]

@@ -4,6 +4,7 @@ then rank 0 writes the run's files (finalize.py)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from pipespec_mpi.comm.bootstrap import World
@@ -13,19 +14,22 @@ from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
 from pipespec_mpi.run import setup
 from pipespec_mpi.run.collect import (
-    BarrierGate,
     Collector,
     LeaderHandoff,
     RecordAssembler,
+    VoteGate,
     part_path,
     progress_bar,
 )
+from pipespec_mpi.run.drain import StopRequest, clear_stop_file
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.jobs import Job, JobKey, done_jobs, plan_jobs, sampler_for
 from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.process import StageProcess, drive
 from pipespec_mpi.topology import place
+
+log = logging.getLogger("pipespec_mpi")
 
 
 class Runner:
@@ -34,8 +38,13 @@ class Runner:
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Decode this rank's jobs; the number of prompts left in the whole job when it was asked
+        to stop early (run/drain.py), else 0."""
         cfg, pl = self.cfg, self.pl
+        stop = StopRequest(self.run_dir)
+        if self.world.rank == 0:
+            clear_stop_file(self.run_dir)  # before _done()'s broadcast: no rank reads it earlier
         loaded = setup.load(cfg, self.world, pl)
         links = setup.connect(cfg, self.world, pl, loaded)
         loop = setup.stage_loop(cfg, pl, loaded, links)
@@ -62,7 +71,7 @@ class Runner:
             links.replica_comm, pl.stage, pl.n_stages, gpu_monitor=loaded.gpu_monitor, on_record=collector
         )
         process = StageProcess(
-            loop, BarrierGate(links.replica_comm), handoff, jobs,
+            loop, VoteGate(links.replica_comm, stop), handoff, jobs,
             verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
         )  # fmt: skip
         try:
@@ -72,12 +81,20 @@ class Runner:
         if collector is not None:
             collector.close()
         self._barrier(loop, "all replicas to finish")
+        left = self.comm.allreduce(process.jobs_left if pl.is_last else 0)
         if self.world.rank == 0:
             finalize(cfg, self.run_dir, loaded.prompts)
+            if left:
+                log.warning(
+                    f"stopped on request (SIGUSR2 or {stop.path.name}): {left} prompt runs not started; "
+                    f"rerun in {self.run_dir} with run.resume=true (slurm/pipespec.sbatch requeues itself)"
+                )
         self._barrier(loop, "rank 0 to write the summary")
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
         links.close(cfg.run.stall_timeout_s)
+        stop.close()
+        return left
 
     def _done(self) -> set[JobKey]:
         """What a resumed run already finished, read by rank 0 for every rank (an unreadable

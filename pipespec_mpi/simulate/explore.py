@@ -7,7 +7,9 @@ message becomes deliverable (FIFO per link, as MPI orders point-to-point message
 of a neighbour's header a read sees (never older than what that reader saw before), when the
 start gate lets each stage through and when a handoff is taken. Schedules are adversarial on
 purpose: stages of very different speeds, one stage starved for long windows, a link's messages
-held back and delivered in a burst, stale reads, send buffers that fill up.
+held back and delivered in a burst, stale reads, send buffers that fill up. A quarter of the
+scenarios also ask the replica to stop early (run/drain.py), its stages asking before different
+jobs: the vote at the start gate must stop all of them before the same job, none started after.
 
 A run fails when
   stall      nothing can move: every stage waits although every message was delivered, every
@@ -15,7 +17,8 @@ A run fails when
   livelock   the schedule exceeds its tick budget
   error      an exception (a protocol invariant, a stale KV cache, a missing distribution, ...)
   mismatch   greedy or Gumbel output differs from the target decoding alone (AR), token for token
-  counter    a stage's counters do not add up (tokens generated + adopted - discarded = kept, ...)
+  counter    a stage's counters do not add up (tokens generated + adopted - discarded = kept, ...),
+             or after a stop request a stage started a job, or the stages disagree on jobs left
 
 A scenario (configuration plus schedule) is a pure function of its family and seed, so every
 failure replays: ``python -m pipespec_mpi.simulate.explore --replay FAMILY:SEED``.
@@ -80,6 +83,10 @@ class Scenario:
     handoff_delay: int  # polls until a handoff is taken (at most)
     temperature: float = 1.0  # gumbel and leviathan
     top_k: int = 0
+    # A stop request (run/drain.py): stage i asks to stop before job stop_before + stop_lag[i];
+    # the replica's vote at the gate stops every stage before the first job any of them asks to.
+    stop_before: int | None = None
+    stop_lag: tuple[int, ...] = ()
 
     @property
     def method(self) -> str:
@@ -138,7 +145,15 @@ class Scenario:
             gate_delay=rng.choice((0, 3, 30)),
             handoff_delay=rng.choice((0, 3, 30)),
         )
+        # drawn apart from the rest, so that every other field of a seed is what it was before
+        stop = random.Random(f"stop:{family}:{seed}")
+        if stop.random() < 0.25:
+            sc = replace(sc, stop_before=stop.randint(1, sc.n_prompts),
+                         stop_lag=tuple(stop.choice((0, 0, 1)) for _ in range(sc.k)))  # fmt: skip
         return replace(sc, **{k: v for k, v in fixed.items() if k not in ("k", "decode")})
+
+    def stop_requested(self, stage: int, seq: int) -> bool:
+        return self.stop_before is not None and seq >= self.stop_before + self.stop_lag[stage]
 
     def sampler(self, seq: int) -> Sampler:
         if self.rule == "greedy":
@@ -270,7 +285,8 @@ class ExReceiver:
 
 class ExGate:
     """The start gate: passes once every stage opened it for this prompt, after a delay per stage
-    (the order in which stages leave a barrier is arbitrary)."""
+    (the order in which stages leave a barrier is arbitrary); the vote to stop early is the OR of
+    the stages' requests when they opened it."""
 
     def __init__(self, world: World, me: int) -> None:
         self.world, self.me = world, me
@@ -281,6 +297,8 @@ class ExGate:
         w = self.world
         self.seq, self.countdown = seq, None
         w.gate_arrived[self.me] = seq
+        if w.sc.stop_requested(self.me, seq):
+            w.stop_votes.add(seq)
         if all(s == seq for s in w.gate_arrived):
             w.gate_complete.add(seq)
 
@@ -294,6 +312,9 @@ class ExGate:
             return True
         self.countdown -= 1
         return False
+
+    def stopped(self) -> bool:
+        return self.seq in self.world.stop_votes
 
 
 class ExHandoff:
@@ -375,6 +396,7 @@ class World:
         self.links = [Link() for _ in range(k - 1)]
         self.gate_arrived = [0] * k
         self.gate_complete: set[int] = set()
+        self.stop_votes: set[int] = set()
         self.outcomes: dict[tuple[int, int], StageOutcome] = {}
         self.jobs = [ExJob(seq, ids, sc.method) for seq, ids in enumerate(self.parts.prompts, 1)]
         n_tokens = len(self.jobs) * sc.decode.max_new_tokens
@@ -422,8 +444,11 @@ class World:
         return self.parts.wrap(v) if self.parts.wrap else v
 
     def outputs(self) -> list[list[int]]:
-        """The last stage's output for each job, in order (after ``run``)."""
-        return [self.outcomes[(job.seq, self.sc.k - 1)].tokens for job in self.jobs]
+        """The last stage's output for each job that ran, in order (after ``run``)."""
+        k = self.sc.k
+        return [
+            self.outcomes[(job.seq, k - 1)].tokens for job in self.jobs if (job.seq, k - 1) in self.outcomes
+        ]
 
     # ---------------------------------------------------------------- the scheduler
     def _deliver(self) -> None:
@@ -516,7 +541,16 @@ class World:
     def _check(self) -> Finding:
         sc = self.sc
         problems: list[str] = []
+        stop_at = min(self.stop_votes, default=len(self.jobs) + 1)
+        left = {p.jobs_left for p in self.procs}
+        if left != {len(self.jobs) + 1 - stop_at}:
+            problems.append(f"jobs left {sorted(left)} after a stop before job {stop_at}")
         for job in self.jobs:
+            if job.seq >= stop_at:
+                started = [i for i in range(sc.k) if (job.seq, i) in self.outcomes]
+                if started:
+                    problems.append(f"prompt {job.seq}: stages {started} ran it after the stop")
+                continue
             outs = [self.outcomes[(job.seq, i)] for i in range(sc.k)]
             last = outs[-1].tokens
             for i, o in enumerate(outs):

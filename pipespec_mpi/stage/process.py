@@ -2,6 +2,8 @@
 
 For every job: reset the stage's header for the prompt, pass the replica's start gate, decode
 (``StageLoop.step()`` until DONE), hand the outcome over (stats to the replica's leader), next job.
+The gate is also where the replica agrees to stop early (run/drain.py): then no stage starts the
+job, and ``jobs_left`` says how many were not started.
 While it waits at the gate or for the handoff it keeps taking in proposals (an upstream that passed
 the gate first may already send for the new prompt) and keeps its heartbeat fresh.
 
@@ -33,7 +35,11 @@ class Gate(Protocol):
         """This stage has reset its header for prompt ``seq`` and is ready to start it."""
 
     def passed(self) -> bool:
-        """Every stage of the replica is ready: decoding may start (never blocks)."""
+        """Every stage of the replica is ready (never blocks)."""
+
+    def stopped(self) -> bool:
+        """After ``passed``: the replica agreed to stop before this job (every stage sees the
+        same answer), so no stage starts it."""
 
 
 class Handoff(Protocol):
@@ -66,6 +72,7 @@ class StageProcess:
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
         self.index = -1
         self.phase = "next"  # next | gate | decode | handoff | end
+        self.jobs_left = 0  # jobs not started because the replica stopped early
 
     @property
     def job(self) -> Job | None:
@@ -85,6 +92,10 @@ class StageProcess:
             self.loop.pump()
             if not self.gate.passed():
                 return Step.WAITING
+            if self.gate.stopped():
+                self.jobs_left = len(self.jobs) - self.index
+                self.phase = "end"
+                return Step.DONE
             if self.on_start is not None:
                 self.on_start(self.job)
             self.loop.begin(self.job.prompt_ids, self.job.method, self.verifier_for(self.job))

@@ -10,7 +10,7 @@ import pytest
 from test_sampling_power import tiny_parts
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore, sweep
+from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, World, explore, sweep
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
 from pipespec_mpi.stage.loop import Mailbox, StageLoop
 
@@ -27,6 +27,8 @@ def test_a_slice_of_every_family_terminates_losslessly_with_counters_that_add_up
 RESEND = [("pipespec-greedy", 235, None), ("sd-greedy", 18, None), ("pipespec-greedy", 127, "slurm-sweep")]
 ONCE = [("pipespec-leviathan", 54, None), ("sd-leviathan", 16, None)]
 KEEP = [("pipespec-greedy", 16, None), ("pipespec-leviathan", 2, None), ("pipespec-greedy", 6, "slurm-sweep")]
+# a stop request (run/drain.py) that each stage acts on alone, without the gate's vote
+STOP = [("pipespec-greedy", 7, None), ("sd-greedy", 5, None), ("pipespec-leviathan", 6, None)]
 
 
 def without_resend(monkeypatch) -> None:
@@ -55,12 +57,23 @@ def dropping_while_waiting(monkeypatch) -> None:
     monkeypatch.setattr(Mailbox, "pump", lambda self: self.receiver and self.receiver.poll())
 
 
+def stopping_alone(monkeypatch) -> None:
+    """The stop without the vote: a stage that was asked to stop skips the job by itself, while its
+    neighbours, not asked yet, start it and wait for it forever."""
+    monkeypatch.setattr(ExGate, "stopped", lambda self: self.world.sc.stop_requested(self.me, self.seq))
+
+
+def ignoring_stop(monkeypatch) -> None:
+    """No stop at all: every job runs although the replica voted to stop."""
+    monkeypatch.setattr(ExGate, "stopped", lambda self: False)
+
+
 def resending_leviathan(monkeypatch) -> None:
     """P2 back in: Leviathan tokens are sent again after an epoch change, like greedy ones."""
     monkeypatch.setattr(Leviathan, "resendable", True)
 
 
-@pytest.mark.parametrize("family,seed,preset", RESEND + ONCE + KEEP)
+@pytest.mark.parametrize("family,seed,preset", RESEND + ONCE + KEEP + STOP)
 def test_regression_seed_passes(family, seed, preset):
     assert explore(family, seed, preset).ok
 
@@ -69,7 +82,9 @@ def test_regression_seed_passes(family, seed, preset):
     "family,seed,preset,bug,verdict",
     [(*c, without_resend, "stall") for c in RESEND]
     + [(*c, resending_leviathan, "error") for c in ONCE]
-    + [(*c, dropping_while_waiting, "stall") for c in KEEP],
+    + [(*c, dropping_while_waiting, "stall") for c in KEEP]
+    + [(*c, stopping_alone, "stall") for c in STOP]
+    + [(*c, ignoring_stop, "counter") for c in STOP],
 )
 def test_regression_seed_fails_without_its_fix(monkeypatch, family, seed, preset, bug, verdict):
     bug(monkeypatch)

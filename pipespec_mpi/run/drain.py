@@ -1,0 +1,44 @@
+"""Stopping a job early without tearing anything: Slurm's time limit, or a user's request.
+
+A stop is requested by SIGUSR2 to a rank (``sbatch --signal=USR2@<s>`` signals every task; the
+scripts in slurm/ ask for it, SIGUSR1 stays faulthandler's stack dump) or by a file ``STOP`` in
+the run directory (what slurm/pipespec.sbatch writes when the batch shell gets the signal, and
+what a user can ``touch``). Each stage looks at its request when it reaches the start gate of its
+next prompt, and the replica's stages vote there (``VoteGate``: any one of them stopping stops
+them all, so no stage starts a prompt its neighbours will not): the prompts in flight finish and
+are written, no new one starts, rank 0 merges what is done, and the job exits with
+``EXIT_DRAINED`` when prompts are left. slurm/pipespec.sbatch then requeues the job, which
+resumes in the same directory (``run.resume=true``).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+EXIT_DRAINED = 75  # EX_TEMPFAIL: stopped on request with prompts left; rerun with run.resume=true
+STOP_FILE = "STOP"
+
+
+class StopRequest:
+    """Whether this rank has been asked to stop: SIGUSR2 received, or ``<run_dir>/STOP`` exists.
+    Installs the signal handler (main thread only), which just sets a flag."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / STOP_FILE
+        self.signalled = False
+        signal.signal(signal.SIGUSR2, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signalled = True
+
+    def __call__(self) -> bool:
+        return self.signalled or self.path.exists()
+
+    def close(self) -> None:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def clear_stop_file(run_dir: Path) -> None:
+    """A resumed run starts without the previous run's request (rank 0, before any gate)."""
+    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
