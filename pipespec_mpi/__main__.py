@@ -145,6 +145,9 @@ def user_error(exc: BaseException, world) -> None:
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    # USR2 asks for a stop (run/drain.py, which handles it once the run starts); until then an
+    # early one must not kill the rank (its default action). The sbatch scripts' STOP file stays.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
         current_world()
         from mpi4py import MPI

@@ -27,7 +27,7 @@ class StopRequest:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / STOP_FILE
         self.signalled = False
-        signal.signal(signal.SIGUSR2, self._on_signal)
+        self._before = signal.signal(signal.SIGUSR2, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signalled = True
@@ -36,9 +36,16 @@ class StopRequest:
         return self.signalled or self.path.exists()
 
     def close(self) -> None:
-        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR2, self._before)
 
 
-def clear_stop_file(run_dir: Path) -> None:
-    """A resumed run starts without the previous run's request (rank 0, before any gate)."""
-    (Path(run_dir) / STOP_FILE).unlink(missing_ok=True)
+def clear_stale_stop_file(run_dir: Path, started: float) -> None:
+    """A resumed run starts without the previous run's request: a ``STOP`` written before this
+    process ``started`` (its ``time.time()``) goes; one written since (the time limit already
+    near while the job was starting) stays and is obeyed."""
+    path = Path(run_dir) / STOP_FILE
+    try:
+        if path.stat().st_mtime < started:
+            path.unlink()
+    except FileNotFoundError:
+        pass

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import psutil
+
 from pipespec_mpi.comm.bootstrap import World
 from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.config import AppConfig
@@ -21,7 +23,7 @@ from pipespec_mpi.run.collect import (
     part_path,
     progress_bar,
 )
-from pipespec_mpi.run.drain import StopRequest, clear_stop_file
+from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.jobs import Job, JobKey, done_jobs, plan_jobs, sampler_for
 from pipespec_mpi.speculative.verifiers import make_verifier
@@ -43,8 +45,8 @@ class Runner:
         to stop early (run/drain.py), else 0."""
         cfg, pl = self.cfg, self.pl
         stop = StopRequest(self.run_dir)
-        if self.world.rank == 0:
-            clear_stop_file(self.run_dir)  # before _done()'s broadcast: no rank reads it earlier
+        if self.world.rank == 0:  # before _done()'s broadcast: no rank reads it earlier
+            clear_stale_stop_file(self.run_dir, psutil.Process().create_time())
         loaded = setup.load(cfg, self.world, pl)
         links = setup.connect(cfg, self.world, pl, loaded)
         loop = setup.stage_loop(cfg, pl, loaded, links)

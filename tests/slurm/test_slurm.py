@@ -177,6 +177,12 @@ APP = [
     "run.progress=false", "run.stall_timeout_s=60",
 ]  # fmt: skip
 SBATCH = ["--time=5"]  # minutes: Slurm itself ends a job that hangs
+# About two minutes of decoding under a two-minute limit with USR2 60 s before it (Slurm checks
+# time limits every ~30 s, so the signal comes 60-90 s into each run): it stops, requeues, resumes.
+WALLTIME_APP = [
+    "hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=200", "decode.max_new_tokens=128",
+    "run.mode=benchmark", "run.methods=[ar,pipespec]", "run.progress=false", "run.stall_timeout_s=60",
+]  # fmt: skip
 WAIT_S = 240  # per job; they run side by side, typically all done within 60-100 s
 SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
 
@@ -252,6 +258,11 @@ def jobs(slurm, tmp_path_factory):
         submitted["replicas"] = sbatch(
             [*SBATCH, "--ntasks-per-node=6", "--gpus-per-node=6", "slurm/pipespec.sbatch", *APP],
             tmp / "replicas-%j.out",
+        )
+        submitted["walltime"] = sbatch(
+            ["--time=2", "--signal=B:USR2@60", "slurm/pipespec.sbatch", *WALLTIME_APP],
+            tmp / "walltime-%j.out",
+            env=job_env(PIPESPEC_MAX_RESTARTS="10"),
         )
         submitted["singletons"] = sbatch(
             [*SBATCH, "slurm/pipespec.sbatch", *APP],
@@ -390,3 +401,37 @@ def test_submitit_sweep_runs_each_job_as_one_mpi_world(jobs):
     # Three Slurm tasks per sweep job (one per rank), all from one job array.
     task_logs = sorted(p.name for p in (sweep.dir / ".submitit").glob("*_*/*_log.out"))
     assert len(task_logs) == 6, task_logs
+
+
+def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(jobs):
+    """USR2 before the limit: the job stops after the prompts in flight, exits 75, requeues itself
+    and resumes (run.resume=true) in the same directory until every prompt is done; the results
+    hold each prompt once per method, whole, and PipeSpec equals AR on each (greedy)."""
+    job = jobs["walltime"]
+    deadline = time.monotonic() + 600
+    while True:
+        records = job_records(job.job_id)
+        if records and all(r.get("JobState") in TERMINAL for r in records):
+            break
+        if records and records[0].get("Reason") == "BeginTime":
+            # Slurm holds a requeued job for two minutes before it may start again; skip the hold
+            run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], timeout=15)
+        if time.monotonic() > deadline:
+            run(["scancel", job.job_id], timeout=15)
+            pytest.fail(f"job {job.job_id} not finished after 600 s: {records}\n{job.output()}")
+        time.sleep(1.0)
+    out = job.output()
+    assert records[0]["JobState"] == "COMPLETED" and records[0]["ExitCode"] == "0:0", f"{records}\n{out}"
+    assert "USR2 at" in out and "requeueing job" in out and "(restart 1)" in out, out
+    run_dir = ROOT / "outputs" / "slurm" / job.job_id
+    results = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    counted = [r for r in results if not r["warmup"]]
+    keys = [(r["prompt_id"], r["method"]) for r in counted]
+    assert len(keys) == len(set(keys)) == 2 * 199, len(keys)  # every prompt once per method
+    by = {k: r["output_ids"] for k, r in zip(keys, counted)}
+    for pid, method in keys:
+        assert len(by[(pid, method)]) == 128
+        assert by[(pid, "pipespec")] == by[(pid, "ar")], pid
+    runs = json.loads((run_dir / "slurm.json").read_text())
+    assert [r["restart_count"] for r in runs] == list(range(len(runs))) and len(runs) >= 2, runs
+    shutil.rmtree(run_dir)
