@@ -64,24 +64,22 @@ def app(cfg: DictConfig) -> None:
         logger.setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
         logger.filters.clear()
         if typed.hierarchy.choose:
-            left = run_auto(typed, run_dir, world, logger)
+            code = run_auto(typed, run_dir, world, logger)
         else:
-            left = run(typed, run_dir, world, logger)
+            code = run(typed, run_dir, world, logger)
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
         from pipespec_mpi.errors import UserError
 
         if isinstance(exc, UserError):
             user_error(exc, world)
         abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
-    if left:  # every rank knows it: they leave together, with the code the sbatch script requeues on
-        from pipespec_mpi.run.drain import EXIT_DRAINED
-
+    if code:  # stopped early (run/drain.py): the same code on every rank, all leave together
         shutdown_torch_distributed()
-        raise SystemExit(EXIT_DRAINED)
+        raise SystemExit(code)
 
 
 def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
-    """The job on this rank; the prompts it left when asked to stop early (run/drain.py)."""
+    """The job on this rank; its exit code (non-zero when asked to stop early: run/drain.py)."""
     from pipespec_mpi.run import Runner
 
     n = cfg.hierarchy.n_stages
@@ -91,23 +89,23 @@ def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
 
 def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     """``hierarchy=auto``: plan (run/auto_job.py), run the plan on the ranks it uses; every rank
-    leaves together (and learns whether prompts were left)."""
+    leaves together, with the job's exit code."""
     from pipespec_mpi.run import auto_job
 
     job = auto_job.resolve(cfg, world)
     if world.rank == 0:
         auto_job.write_plan(run_dir, job.record)
-    left = 0
+    code = 0
     if job.world is not None:
         check_world(job.world.size, job.cfg.hierarchy.n_stages)
-        left = run(job.cfg, run_dir, job.world, logger)
+        code = run(job.cfg, run_dir, job.world, logger)
         if job.world.rank == 0:
             auto_job.add_measured(run_dir, job.record)
         job.world.comm.Free()
     auto_job.sleep_at_barrier(world.comm)  # with the spare ranks
     from mpi4py import MPI
 
-    return world.comm.allreduce(left, op=MPI.MAX)
+    return world.comm.allreduce(code, op=MPI.MAX)
 
 
 class StageTag(logging.Filter):

@@ -8,7 +8,10 @@ next prompt, and the replica's stages vote there (``VoteGate``: any one of them 
 them all, so no stage starts a prompt its neighbours will not): the prompts in flight finish and
 are written, no new one starts, rank 0 merges what is done, and the job exits with
 ``EXIT_DRAINED`` when prompts are left. slurm/pipespec.sbatch then requeues the job, which
-resumes in the same directory (``run.resume=true``).
+resumes in the same directory (``run.resume=true``). A run stopped before it finished any prompt
+exits with ``EXIT_STOPPED_IDLE`` instead, which the script does not requeue: the signal's lead
+time leaves no room for work (a ``--signal=...@300`` on a 5-minute job), and requeueing would
+loop until the restart limit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 from pathlib import Path
 
 EXIT_DRAINED = 75  # EX_TEMPFAIL: stopped on request with prompts left; rerun with run.resume=true
+EXIT_STOPPED_IDLE = 76  # stopped on request before finishing any prompt: do not requeue
 STOP_FILE = "STOP"
 
 
@@ -49,3 +53,10 @@ def clear_stale_stop_file(run_dir: Path, started: float) -> None:
             path.unlink()
     except FileNotFoundError:
         pass
+
+
+def exit_code(left: int, finished: int) -> int:
+    """The job's exit code from the prompt runs it left unstarted and those it finished."""
+    if not left:
+        return 0
+    return EXIT_DRAINED if finished else EXIT_STOPPED_IDLE

@@ -23,7 +23,7 @@ from pipespec_mpi.run.collect import (
     part_path,
     progress_bar,
 )
-from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file
+from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.jobs import Job, JobKey, done_jobs, plan_jobs, sampler_for
 from pipespec_mpi.speculative.verifiers import make_verifier
@@ -41,8 +41,8 @@ class Runner:
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
 
     def run(self) -> int:
-        """Decode this rank's jobs; the number of prompts left in the whole job when it was asked
-        to stop early (run/drain.py), else 0."""
+        """Decode this rank's jobs; the job's exit code (0, or run/drain.py's when it was asked to
+        stop early), the same on every rank."""
         cfg, pl = self.cfg, self.pl
         stop = StopRequest(self.run_dir)
         if self.world.rank == 0:  # before _done()'s broadcast: no rank reads it earlier
@@ -84,19 +84,26 @@ class Runner:
             collector.close()
         self._barrier(loop, "all replicas to finish")
         left = self.comm.allreduce(process.jobs_left if pl.is_last else 0)
+        finished = self.comm.allreduce(process.jobs_done if pl.is_last else 0)
         if self.world.rank == 0:
             finalize(cfg, self.run_dir, loaded.prompts)
             if left:
                 log.warning(
-                    f"stopped on request (SIGUSR2 or {stop.path.name}): {left} prompt runs not started; "
-                    f"rerun in {self.run_dir} with run.resume=true (slurm/pipespec.sbatch requeues itself)"
+                    f"stopped on request (SIGUSR2 or {stop.path.name}): {finished} prompt runs done, "
+                    f"{left} not started; rerun in {self.run_dir} with run.resume=true"
+                    + (
+                        ""
+                        if finished
+                        else " (none done: the stop came before the first prompt ended;"
+                        " a time-limit signal needs a lead time shorter than the job's limit)"
+                    )
                 )
         self._barrier(loop, "rank 0 to write the summary")
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
         links.close(cfg.run.stall_timeout_s)
         stop.close()
-        return left
+        return exit_code(left, finished)
 
     def _done(self) -> set[JobKey]:
         """What a resumed run already finished, read by rank 0 for every rank (an unreadable

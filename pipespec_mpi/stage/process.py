@@ -73,6 +73,7 @@ class StageProcess:
         self.index = -1
         self.phase = "next"  # next | gate | decode | handoff | end
         self.jobs_left = 0  # jobs not started because the replica stopped early
+        self.jobs_done = 0  # jobs handed over
 
     @property
     def job(self) -> Job | None:
@@ -112,6 +113,7 @@ class StageProcess:
             self.loop.pump()
             if not self.handoff.delivered():
                 return Step.WAITING
+            self.jobs_done += 1
             self.phase = "next"
             return Step.PROGRESS
         return Step.DONE

@@ -33,3 +33,11 @@ def test_a_stop_is_requested_by_sigusr2_or_the_file(tmp_path):
     finally:
         stop.close()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+def test_the_exit_code_requeues_only_a_stop_that_made_progress():
+    from pipespec_mpi.run.drain import EXIT_DRAINED, EXIT_STOPPED_IDLE, exit_code
+
+    assert exit_code(left=0, finished=5) == 0
+    assert exit_code(left=3, finished=5) == EXIT_DRAINED == 75
+    assert exit_code(left=8, finished=0) == EXIT_STOPPED_IDLE == 76
