@@ -7,8 +7,9 @@ Runs (root; pipespec_mpi/netbed.py): one host (shared-memory epochs); then for e
 two bed hosts, stages 0-1 on one and the target on the other, with the pushed epochs window (the
 default across nodes) and the RMA window. Each run is ``run.mode=benchmark`` (AR and PipeSpec
 interleaved) on held-out HumanEval prompts (dataset.seed=7). Printed per run: ms/token of both,
-the speedup, and per stage the time its loop spent reading its neighbours' headers per forward,
-as a share of its mean forward.
+the speedup, and per model stage the time its loop spent reading its neighbours' headers per
+forward and as a share of its forwards' time (an upper bound of the overhead: it includes the
+reads a stage makes while it waits with nothing to do).
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def summarise(label: str, run_dir: Path) -> str:
         read = sum(r.stages[s].read_s for r in ps)
         fwd = sum(r.stages[s].forward_calls for r in ps)
         busy = sum(r.stages[s].busy_s for r in ps)
-        per_fwd = 1000 * read / max(fwd, 1)
-        shares.append(f"{per_fwd:.3f} ms ({100 * read / busy:.2f}%)" if busy else "-")
+        if not fwd:  # a prompt lookup makes no forward
+            shares.append("-")
+            continue
+        shares.append(f"{1000 * read / fwd:.3f} ms ({100 * read / busy:.2f}%)")
     window, hosts = ps[0].epochs_window, "/".join(ps[0].hosts)
     return (
         f"| {label} | {window} | {hosts} | {ms['ar']:.2f} | {ms['pipespec']:.2f} | "
