@@ -33,6 +33,18 @@ def launch_ok(n: int, overrides: list[str], run_dir: Path, timeout: float = 240,
     return read_results(run_dir)
 
 
+def run_ranks(script: str, n: int, args: list[str], timeout: float = 120) -> str:
+    """Run ``mpirun -n N python SCRIPT ARGS`` (a test file that is also one rank of a run); its
+    stdout, after checking that it exited 0."""
+    cmd = [str(MPIRUN), "-n", str(n), sys.executable, script, *args]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"timed out: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
 def read_results(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "results.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -7,7 +7,6 @@ The test launches this file under mpirun; as a script it is one rank of that run
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -102,15 +101,9 @@ def rank_main(transport: str) -> None:
 
 @pytest.mark.parametrize("transport", ["mpi", "gloo"])
 def test_channel_between_two_ranks(transport):
-    from conftest import MPIRUN, ROOT
+    from conftest import run_ranks
 
-    cmd = [str(MPIRUN), "-n", "2", sys.executable, __file__, transport]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"timed out: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert f"channel ok over {transport}" in proc.stdout
+    assert f"channel ok over {transport}" in run_ranks(__file__, 2, [transport])
 
 
 if __name__ == "__main__":

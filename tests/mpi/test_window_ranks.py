@@ -9,7 +9,6 @@ The test launches this file under mpirun; as a script it is one rank of that run
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -86,15 +85,9 @@ def rank_main(kind: str) -> None:
 
 @pytest.mark.parametrize("kind,n", [("shared", 3), ("rma", 3), ("push", 2), ("push", 3), ("push", 4)])
 def test_window_between_ranks(kind, n):
-    from conftest import MPIRUN, ROOT
+    from conftest import run_ranks
 
-    cmd = [str(MPIRUN), "-n", str(n), sys.executable, __file__, kind]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"timed out: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert f"window ok: {kind} over {n} ranks" in proc.stdout
+    assert f"window ok: {kind} over {n} ranks" in run_ranks(__file__, n, [kind])
 
 
 if __name__ == "__main__":
