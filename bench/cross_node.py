@@ -10,6 +10,10 @@ interleaved) on held-out HumanEval prompts (dataset.seed=7). Printed per run: ms
 the speedup, and per model stage the time its loop spent reading its neighbours' headers per
 forward and as a share of its forwards' time (an upper bound of the overhead: it includes the
 reads a stage makes while it waits with nothing to do).
+
+The bed's hosts share this machine's cores, so every stage runs one torch thread in every run
+(what the three ranks of the one-host run get on 2 cores; alone on its host the target would take
+both cores and oversubscribe them).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def app_args(run_dir: Path, window: str, args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "pipespec_mpi", "run.mode=benchmark", "run.methods=[ar,pipespec]",
         "dataset.seed=7", f"dataset.n_prompts={args.prompts}", f"decode.max_new_tokens={args.tokens}",
-        f"run.epochs_window={window}", "run.progress=false", f"hydra.run.dir={run_dir}", *args.overrides,
+        f"run.epochs_window={window}", "run.progress=false", f"hydra.run.dir={run_dir}",
+        *(f"hierarchy.stages.{s}.threads=1" for s in (1, 2)), *args.overrides,
     ]  # fmt: skip
 
 
