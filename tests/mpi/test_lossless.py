@@ -76,6 +76,12 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
         assert len(r["output_ids"]) == r["n_new_tokens"] == max_new  # no EOS in the byte models
         assert r["transport"] == transport
     ps = [r for r in recs if r["method"] == "pipespec"]
+    if lookahead == 0:
+        # A verifier that never waits can outrun its drafters: on a quiet machine the tiny target
+        # (~1.6 ms a step) took 64 own steps per prompt and every proposal arrived after the
+        # rollback that made it stale (seen in CI), so what happens beyond losslessness depends
+        # on the schedule here. With a lookahead the verifier waits for proposals: checked below.
+        return
     # the tiny models agree often but not always: acceptance, rejection and rollbacks all occur
     last = [r["stages"][-1] for r in ps]
     assert sum(s["tokens_accepted"] for s in last) > 0
