@@ -32,6 +32,7 @@ class World:
     local_size: int
     n_nodes: int
     hostname: str
+    hosts: tuple[str, ...] = ()  # every rank's host, in rank order
     comm: Any = field(default=None, compare=False, repr=False)
 
 
@@ -57,6 +58,7 @@ def sub_world(comm) -> World:
         local_size=node.Get_size(),
         n_nodes=len(set(hosts)),
         hostname=hosts[comm.Get_rank()],
+        hosts=tuple(hosts),
         comm=comm,
     )
     node.Free()

@@ -277,7 +277,6 @@ class PushedEpochWindow:
             blank[PROMPT] = -1
             self._copies[r] = (blank, [])
         self._buf = np.empty(HEADER + 1 + max_tokens, dtype=np.int64)
-        self.messages_sent = 0
 
     # -- the owner's side --------------------------------------------------------------------
     def publish(
@@ -303,7 +302,6 @@ class PushedEpochWindow:
         for r in self.readers:
             buf = full[: HEADER + 1] if r in self.header_only else full
             self._sends.append((self.comm.Isend(buf, r, PUSH_TAG), buf))
-            self.messages_sent += 1
 
     def _reap(self) -> None:
         if self._sends:
@@ -333,7 +331,7 @@ class PushedEpochWindow:
 
     def snapshot(self, rank: int) -> tuple[Header, list[int]]:
         hdr, toks = self._drain(rank)
-        if rank in self._copies and len(toks) != int(hdr[LENGTH]):
+        if len(toks) != int(hdr[LENGTH]):
             raise RuntimeError(f"rank {rank}'s tokens were not pushed here (a header-only reader)")
         return Header.of(hdr), list(toks)
 

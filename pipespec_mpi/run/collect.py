@@ -30,17 +30,17 @@ class VoteGate:
 
     def __init__(self, comm, stop_requested: Callable[[], bool]) -> None:
         import numpy as np
+        from mpi4py import MPI
 
+        self._MAX = MPI.MAX
         self.comm, self.stop_requested = comm, stop_requested
         self.mine = np.zeros(1, dtype=np.int32)
         self.vote = np.zeros(1, dtype=np.int32)
         self.req = None
 
     def open(self, seq: int) -> None:
-        from mpi4py import MPI
-
         self.mine[0] = int(self.stop_requested())
-        self.req = self.comm.Iallreduce(self.mine, self.vote, op=MPI.MAX)
+        self.req = self.comm.Iallreduce(self.mine, self.vote, op=self._MAX)
 
     def passed(self) -> bool:
         return self.req.Test()

@@ -51,7 +51,7 @@ class Runner:
         links = setup.connect(cfg, self.world, pl, loaded)
         loop = setup.stage_loop(cfg, pl, loaded, links)
         jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
-        hosts = links.replica_comm.allgather(self.world.hostname)  # per stage of this replica
+        hosts = [self.world.hosts[r] for r in pl.replica_ranks()]  # per stage of this replica
         collector = None
         if pl.is_last:
             assemble = RecordAssembler(

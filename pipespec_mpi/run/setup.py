@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,22 +238,27 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Link
     )
 
 
-def window_kind(choice: str, hosts: list[str], n_stages: int) -> str:
+def pipelines_local(hosts: Sequence[str], n_stages: int) -> bool:
+    """Every pipeline's stages sit on one host (``hosts``: each rank's, in rank order)."""
+    return all(hosts[r] == hosts[r - r % n_stages] for r in range(len(hosts)))
+
+
+def window_kind(choice: str, hosts: Sequence[str], n_stages: int) -> str:
     """``auto``: shared memory when every pipeline sits on one node (its reads never wait), else
     pushed headers (a read costs a probe, never the owner's forward: bench/comm_latency.py)."""
     if choice != "auto":
         return choice
-    local = all(hosts[r] == hosts[r - r % n_stages] for r in range(len(hosts)))
-    return "shared" if local else "push"
+    return "shared" if pipelines_local(hosts, n_stages) else "push"
 
 
 def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_tokens: int) -> AnyWindow:
     """This rank's epochs window (collective over ``comm``)."""
-    hosts = comm.allgather(world.hostname)
-    kind = window_kind(choice, hosts, pl.n_stages)
+    kind = window_kind(choice, world.hosts, pl.n_stages)
     if kind == "shared":
-        if not all(hosts[r] == hosts[r - r % pl.n_stages] for r in range(len(hosts))):
-            raise ConfigError([f"run.epochs_window=shared: a pipeline spans nodes ({sorted(set(hosts))})"])
+        if not pipelines_local(world.hosts, pl.n_stages):
+            raise ConfigError(
+                [f"run.epochs_window=shared: a pipeline spans nodes ({sorted(set(world.hosts))})"]
+            )
         return SharedEpochWindow(node_comm, max_tokens, world.rank)
     if kind == "rma":
         return EpochWindow(comm, max_tokens)
