@@ -258,12 +258,15 @@ class NetBed:
         """The argv that runs ``command`` as ``n`` MPI ranks, ``ppn`` per host, over the first
         ``hosts`` hosts (all by default), from host 0."""
         cfg = self.cfg
-        hosts = cfg.hosts if hosts is None else hosts
+        # the addresses of the bed as it was brought up (the hosts file), whatever this object's
+        # --hosts / --net say (the CLI's mpirun only names the bed)
+        addresses = [line.split()[0] for line in (cfg.state / "hosts").read_text().splitlines()]
+        addresses = addresses[:hosts] if hosts is not None else addresses
         mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
         argv = ["ip", "netns", "exec", cfg.host(0), "unshare", "--uts", "sh", "-c"]
         argv += [f'hostname {cfg.host(0)}; exec "$0" "$@"', mpiexec, "-launcher", "ssh"]
         argv += ["-launcher-exec", str(cfg.state / "launch"), "-iface", TUN]
-        argv += ["-hosts", ",".join(cfg.address(i) for i in range(hosts)), "-ppn", str(ppn), "-n", str(n)]
+        argv += ["-hosts", ",".join(addresses), "-ppn", str(ppn), "-n", str(n)]
         for k, v in self.env().items():
             argv += ["-genv", k, v]
         return argv + command
@@ -299,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         run_wire(cfg, ready=cfg.state / "wire.pid")
     else:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        if not (cfg.state / "hosts").exists():
+        hosts_file = cfg.state / "hosts"
+        if not hosts_file.exists():
             up = f"python -m pipespec_mpi.netbed up --name {cfg.name}"
             print(f"netbed {cfg.name} is not up: {up}", file=sys.stderr)
             return 2
