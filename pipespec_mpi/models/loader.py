@@ -1,8 +1,9 @@
 """Build one stage's model (and the hierarchy's tokenizer) from typed config.
 
 Sources: ``tiny`` (derived random models), ``hf`` (hub id or local directory, safetensors),
-``gguf``, ``smollm2`` (embedded), ``int8_copy`` (dynamic int8 copy of another stage) and
-``prompt_lookup`` (model-free). Hub access is off unless ``PIPESPEC_ALLOW_DOWNLOAD=1``: a model
+``gguf``, ``smollm2`` (embedded), ``int8_copy`` (dynamic int8 copy of another stage),
+``lowbit_copy`` (weight-only bf16/int8/q8/q4 copy of another stage) and ``prompt_lookup``
+(model-free). Hub access is off unless ``PIPESPEC_ALLOW_DOWNLOAD=1``: a model
 that is not on disk fails at once with a message naming the stage, the id and the fix.
 """
 
@@ -114,12 +115,17 @@ def _load_torch_model(
             device,
             cuda_devices,
         )
-    if stage.kind == "int8_copy":
+    if stage.kind in ("int8_copy", "lowbit_copy"):
         assert stage.copy_of is not None
         src = _load_torch_model(hier, stage.copy_of, torch.device("cpu"), [])
         if device.type != "cpu":
-            raise ValueError(f"stage {stage.name!r}: int8_copy (fbgemm dynamic int8) runs on CPU only")
-        return _int8_dynamic(src)
+            raise ValueError(f"stage {stage.name!r}: {stage.kind} runs on CPU only")
+        if stage.kind == "int8_copy":
+            return _int8_dynamic(src)
+        from pipespec_mpi.models.lowbit import use_lowbit_linear
+
+        use_lowbit_linear(src.float(), stage.weights)
+        return src
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no torch model")
 
 
@@ -129,7 +135,7 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     if stage.kind == "prompt_lookup":
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
     device = resolve_device(stage, cuda_devices)
-    if stage.kind == "int8_copy":
+    if stage.kind in ("int8_copy", "lowbit_copy"):
         device = torch.device("cpu")
     model = _load_torch_model(hier, index, device, cuda_devices)
     if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
@@ -164,7 +170,7 @@ def stage_tokenizer(hier: HierarchyConfig, index: int) -> Tokenizer | None:
     stage = hier.stages[index]
     if stage.kind == "prompt_lookup":
         return None
-    if stage.kind == "int8_copy":
+    if stage.kind in ("int8_copy", "lowbit_copy"):
         assert stage.copy_of is not None
         return stage_tokenizer(hier, stage.copy_of)
     if stage.kind == "tiny":

@@ -1,0 +1,384 @@
+"""Weight-only low-bit linear layers for CPU drafters: fewer bytes per weight, float32 arithmetic.
+
+A batch-1 step streams every weight once, so a copy of a stage whose weights take fewer bytes
+reads less memory per step. Unlike torch's dynamic int8 (``quantize_dynamic``: activations are
+quantised to 8 bits as well, and its small-M GEMM re-packs per call), the layers here keep the
+activations and the accumulation in float32 and only *store* the weights in fewer bits; the
+kernel converts each weight vector to float32 in registers and uses it for every row of x, as the
+float32 flat kernel does (``models/flat_linear.py``: two weight rows per pass, up to GROUP rows
+of x against them, every output the same dot product in the same order whatever the row count).
+
+Formats (``FORMATS``), all with blocks of 32 along the input dimension where they have blocks:
+
+  bf16  bfloat16 weights (the top half of a float32: exact conversion), 2 bytes per weight.
+  int8  int8 weights with one float32 scale per output channel (absmax / 127), ~1 byte.
+  q8    int8 weights with one scale per block of 32 (llama.cpp's Q8_0; scale rounded to fp16).
+  q4    4-bit weights with a scale and a minimum per block of 32 (llama.cpp's Q4_1; both rounded
+        to fp16), w = d * q + m, 0.75 bytes per weight with the float32 scales stored here.
+
+The q4 and q8 quantisers reproduce a GGUF's own Q4_1/Q8_0 blocks exactly from weights that were
+dequantised from them (the embedded SmolLM2 is such a model: its float32 weights *are* the
+GGUF's Q4_1 linears and Q8_0 embedding), and the kernel dequantises in the same float32 order as
+gguf-py (a multiply, then an add; no fused multiply-add), so such a copy computes bitwise what the
+float32 model computes, from a quarter of the bytes. On other models q4 is a real quantisation.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pipespec_mpi.models.flat_linear import _PREAMBLE, build
+
+log = logging.getLogger("pipespec_mpi")
+BLOCK = 32
+FORMATS = ("bf16", "int8", "q8", "q4")
+
+_CPP = (
+    _PREAMBLE
+    + r"""
+#include <cstdint>
+
+// A weight format gives row n's weights at columns [k, k + LANES) as floats (k a multiple of
+// LANES; K a multiple of 32) and a per-row factor applied to the finished dot product.
+#if defined(__AVX512F__)
+static inline vec cvt_u16_to_f32_hi(const uint16_t* p) {  // bf16 -> f32: shift into the top half
+  __m512i i = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(i, 16));
+}
+static inline vec cvt_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline vec cvt_nibbles(const uint8_t* p, bool high) {
+  __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  i = high ? _mm512_srli_epi32(i, 4) : _mm512_and_si512(i, _mm512_set1_epi32(15));
+  return _mm512_cvtepi32_ps(i);
+}
+static inline vec vset1(float f) { return _mm512_set1_ps(f); }
+static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+#else
+static inline vec cvt_u16_to_f32_hi(const uint16_t* p) {
+  __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(i, 16));
+}
+static inline vec cvt_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline vec cvt_nibbles(const uint8_t* p, bool high) {
+  __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  i = high ? _mm256_srli_epi32(i, 4) : _mm256_and_si256(i, _mm256_set1_epi32(15));
+  return _mm256_cvtepi32_ps(i);
+}
+static inline vec vset1(float f) { return _mm256_set1_ps(f); }
+static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+#endif
+
+static inline void prefetch(const void* p) { _mm_prefetch((const char*)p, PREFETCH_HINT); }
+
+struct BF16 {  // [N, K] bfloat16
+  const uint16_t* w; int64_t K;
+  vec load(int64_t n, int64_t k) const { return cvt_u16_to_f32_hi(w + n * K + k); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 2); }
+  float factor(int64_t) const { return 1.0f; }
+};
+struct I8 {  // [N, K] int8, s[N]
+  const int8_t* w; const float* s; int64_t K;
+  vec load(int64_t n, int64_t k) const { return cvt_i8(w + n * K + k); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 4); }
+  float factor(int64_t n) const { return s[n]; }
+};
+struct Q8 {  // [N, K] int8, d[N, K/32]: w = q * d
+  const int8_t* w; const float* d; int64_t K;
+  vec load(int64_t n, int64_t k) const {
+    return vmul(cvt_i8(w + n * K + k), vset1(d[n * (K / 32) + k / 32]));
+  }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 4); }
+  float factor(int64_t) const { return 1.0f; }
+};
+struct Q4 {  // [N, K/2] nibbles (block b: byte i = q[32b+i] | q[32b+16+i] << 4), d, m [N, K/32]
+  const uint8_t* w; const float* d; const float* m; int64_t K;
+  vec load(int64_t n, int64_t k) const {
+    const int64_t b = n * (K / 32) + k / 32, j = k % 32;
+    vec q = cvt_nibbles(w + n * (K / 2) + (k / 32) * 16 + (j & 15), j >= 16);
+    return vadd(vmul(q, vset1(d[b])), vset1(m[b]));  // as gguf-py: (d * q) + m, two roundings
+  }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * (K / 2) + k / 2 + PREFETCH / 8); }
+  float factor(int64_t) const { return 1.0f; }
+};
+
+// Output rows [n0, n1) for G rows of x: as the float32 kernel's group_rows, with the weights
+// converted in registers once for the G rows.
+template <class F, int G>
+static void rows_q(const F& f, const float* __restrict X, float* __restrict Y, int64_t K, int64_t N,
+                   int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 1 < n1; n += 2) {
+    vec a0[G], a1[G];
+#pragma GCC unroll 16
+    for (int m = 0; m < G; ++m) { a0[m] = vzero(); a1[m] = vzero(); }
+    for (int64_t k = 0; k < K; k += LANES) {
+      vec v0 = f.load(n, k), v1 = f.load(n + 1, k);
+      f.ahead(n, k);
+      f.ahead(n + 1, k);
+#pragma GCC unroll 16
+      for (int m = 0; m < G; ++m) {
+        vec x = vload(X + m * K + k);
+        a0[m] = vfma(v0, x, a0[m]);
+        a1[m] = vfma(v1, x, a1[m]);
+      }
+    }
+    const float s0 = f.factor(n), s1 = f.factor(n + 1);
+#pragma GCC unroll 16
+    for (int m = 0; m < G; ++m) {
+      Y[m * N + n] = hsum(a0[m]) * s0;
+      Y[m * N + n + 1] = hsum(a1[m]) * s1;
+    }
+  }
+  for (; n < n1; ++n) {
+    vec a0[G];
+#pragma GCC unroll 16
+    for (int m = 0; m < G; ++m) a0[m] = vzero();
+    for (int64_t k = 0; k < K; k += LANES) {
+      vec v0 = f.load(n, k);
+#pragma GCC unroll 16
+      for (int m = 0; m < G; ++m) a0[m] = vfma(v0, vload(X + m * K + k), a0[m]);
+    }
+    const float s0 = f.factor(n);
+    for (int m = 0; m < G; ++m) Y[m * N + n] = hsum(a0[m]) * s0;
+  }
+}
+
+template <class F, int G>
+static void dispatch(int g, const F& f, const float* X, float* Y, int64_t K, int64_t N, int64_t n0,
+                     int64_t n1) {
+  if (g == G) return rows_q<F, G>(f, X, Y, K, N, n0, n1);
+  if constexpr (G > 1) dispatch<F, G - 1>(g, f, X, Y, K, N, n0, n1);
+}
+
+template <class F>
+static void run_q(const F& f, const float* X, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t BLK = 32;
+  const int64_t g_max = std::max<int64_t>(1, std::min<int64_t>(GROUP, X_IN_L1 / K));
+  at::parallel_for(0, (N + 2 * BLK - 1) / (2 * BLK), 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 2 * BLK, n1 = std::min(N, n0 + 2 * BLK);
+      for (int64_t m0 = 0; m0 < M; m0 += g_max) {
+        const int g = (int)std::min<int64_t>(g_max, M - m0);
+        dispatch<F, GROUP>(g, f, X + m0 * K, Y + m0 * N, K, N, n0, n1);
+      }
+    }
+  });
+}
+
+static torch::Tensor prepare(torch::Tensor& x, int64_t K, int64_t N) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x: float32 [M, K]");
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  x = x.contiguous();
+  return torch::empty({x.size(0), N}, x.options());
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous(), "w: contiguous bfloat16 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto y = prepare(x, K, N);
+  BF16 f{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K};
+  run_q(f, x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), K, N);
+  return y;
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(s.dtype() == torch::kFloat32 && s.is_contiguous() && s.numel() == N, "s: float32 [N]");
+  auto y = prepare(x, K, N);
+  I8 f{w.data_ptr<int8_t>(), s.data_ptr<float>(), K};
+  run_q(f, x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), K, N);
+  return y;
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(d.dtype() == torch::kFloat32 && d.is_contiguous() && d.numel() == N * (K / 32),
+              "d: float32 [N, K/32]");
+  auto y = prepare(x, K, N);
+  Q8 f{w.data_ptr<int8_t>(), d.data_ptr<float>(), K};
+  run_q(f, x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), K, N);
+  return y;
+}
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 [N, K/2]");
+  const int64_t N = w.size(0), K = 2 * w.size(1);
+  TORCH_CHECK(d.dtype() == torch::kFloat32 && d.is_contiguous() && d.numel() == N * (K / 32) &&
+              m.dtype() == torch::kFloat32 && m.is_contiguous() && m.numel() == N * (K / 32),
+              "d, m: float32 [N, K/32]");
+  auto y = prepare(x, K, N);
+  Q4 f{w.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K};
+  run_q(f, x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), K, N);
+  return y;
+}
+"""
+)
+
+_FUNCTIONS = ["bf16_linear", "int8_linear", "q8_linear", "q4_linear"]
+
+
+def extension(isa: str | None = None):
+    """The compiled low-bit kernels for ``isa`` (default: the widest this CPU has), or None.
+
+    Built without floating-point contraction, so the q4/q8 dequantisation is a multiply and an
+    add (the float32 order gguf-py uses), never a fused multiply-add."""
+    return build("pipespec_lowbit_linear_v1", _CPP, _FUNCTIONS, isa, ("-ffp-contract=off",))
+
+
+# --- quantisers and their inverses (pure tensor functions) -------------------------------------
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).to(torch.float32)
+
+
+def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """The stored tensors of ``w`` [N, K] (float) in ``fmt``; K a multiple of 32 for every format."""
+    w = w.detach().float().contiguous()
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
+    if fmt == "bf16":
+        return (w.to(torch.bfloat16),)
+    if fmt == "int8":  # symmetric, per output channel
+        s = w.abs().amax(1) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        return q, s.contiguous()
+    blocks = w.reshape(n, k // BLOCK, BLOCK)  # [N, K/32, 32]
+    if fmt == "q8":  # Q8_0: d = amax / 127 (fp16), q = round(w / d)
+        d = _fp16(blocks.abs().amax(-1) / 127)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round(blocks / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return q.reshape(n, k), d.contiguous()
+    if fmt == "q4":  # Q4_1: m = min (fp16), d = (max - m) / 15 (fp16), q = round((w - m) / d)
+        m = _fp16(blocks.amin(-1))
+        d = _fp16((blocks.amax(-1) - m) / 15)
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        q = torch.round((blocks - m[..., None]) / safe[..., None]).clamp(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, K/32, 16]
+        return packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous()
+    raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The float32 weights [N, K] the kernel computes with (the reference for tests)."""
+    if fmt == "bf16":
+        return tensors[0].float()
+    if fmt == "int8":
+        q, s = tensors
+        return q.float() * s[:, None]
+    if fmt == "q8":
+        q, d = tensors
+        n, k = q.shape
+        return (q.float().reshape(n, k // BLOCK, BLOCK) * d[..., None]).reshape(n, k)
+    if fmt == "q4":
+        packed, d, m = tensors
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        p = packed.reshape(n, k // BLOCK, 16)
+        q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [N, K/32, 32]
+        return (q * d[..., None] + m[..., None]).reshape(n, k)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+# --- the layer -----------------------------------------------------------------------------------
+
+
+class LowBitLinear(torch.nn.Module):
+    """Drop-in for a CPU nn.Linear whose weights are stored in ``fmt`` (see the module docstring).
+
+    Every row count goes through the kernel (prefill too: there is no float32 weight to hand to
+    torch's GEMM); without a kernel (a CPU with neither AVX-512 nor AVX2) the weights are
+    dequantised per call, correct but slow."""
+
+    def __init__(
+        self, fmt: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None, kernel
+    ) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.in_features = tensors[0].shape[1] * (2 if fmt == "q4" else 1)
+        self.out_features = tensors[0].shape[0]
+        self.names = tuple(f"w{i}" for i in range(len(tensors)))
+        for name, t in zip(self.names, tensors, strict=True):
+            self.register_buffer(name, t)
+        self.bias = bias
+        self.kernel = kernel
+        self._fn = getattr(kernel, f"{fmt}_linear") if kernel is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Module, fmt: str, kernel) -> LowBitLinear:
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        return cls(fmt, quantize(linear.weight, fmt), bias, kernel)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, n) for n in self.names)
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+        if self._fn is not None:  # noqa: SIM108 - the two paths read better apart
+            y = self._fn(x2, *self.tensors)  # [M, N]
+        else:
+            y = x2 @ dequantize(self.fmt, self.tensors).T
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    @classmethod
+    def concat(cls, parts: list[LowBitLinear]) -> LowBitLinear | None:
+        """As FlatLinear.concat: one layer for ``parts`` side by side, bitwise their outputs (each
+        output row keeps its weights, scales and dot product); the parts become views of it."""
+        p0 = parts[0]
+        if any(p.bias is not None or p.fmt != p0.fmt or p.kernel is not p0.kernel for p in parts):
+            return None
+        fused = tuple(torch.cat(ts) for ts in zip(*(p.tensors for p in parts), strict=True))
+        start = 0
+        for p in parts:
+            n = p.out_features
+            for name, t in zip(p.names, fused, strict=True):
+                setattr(p, name, t[start : start + n])
+            start += n
+        return cls(p0.fmt, fused, None, p0.kernel)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}"
+
+
+def head_format(fmt: str) -> str:
+    """The output layer's format for a copy in ``fmt``: q4 copies keep it in q8 (as llama.cpp's
+    Q4 files do: the vocabulary projection is the layer most sensitive to quantisation)."""
+    return "q8" if fmt == "q4" else fmt
+
+
+def use_lowbit_linear(model: torch.nn.Module, fmt: str, isa: str | None = None) -> int:
+    """Replace the nn.Linear layers of a CPU ``model`` by ``fmt`` copies (the output layer by
+    ``head_format(fmt)``); returns how many were replaced. Layers whose input size is not a
+    multiple of 32 stay as they are."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+    kernel = extension(isa)
+    if kernel is None:
+        log.warning("low-bit kernel unavailable on this CPU: %s weights are dequantised per call", fmt)
+    head = getattr(model, "lm_head", None)
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child.in_features % BLOCK:
+                continue
+            f = head_format(fmt) if child is head else fmt
+            setattr(parent, name, LowBitLinear.from_linear(child, f, kernel))
+            count += 1
+    return count

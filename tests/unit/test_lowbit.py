@@ -1,0 +1,138 @@
+"""Weight-only low-bit layers: quantisers, the kernels of every ISA build, and whole copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipespec_mpi.config import ConfigError, compose_config, validate
+from pipespec_mpi.models import flat_linear
+from pipespec_mpi.models.lowbit import (
+    FORMATS,
+    LowBitLinear,
+    dequantize,
+    extension,
+    quantize,
+    use_lowbit_linear,
+)
+
+needs_kernel = pytest.mark.skipif(extension() is None, reason="low-bit kernel not buildable on this CPU")
+
+
+def weights(n: int = 70, k: int = 96, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(n, k) * torch.linspace(0.1, 3.0, k)  # columns of different scales
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantisation_error_is_bounded_by_the_format(fmt):
+    w = weights()
+    err = (dequantize(fmt, quantize(w, fmt)) - w).abs()
+    if fmt == "bf16":
+        assert (err <= w.abs() * 2**-8).all()
+    elif fmt == "int8":
+        assert (err <= w.abs().amax(1, keepdim=True) / 127 / 2 * 1.001).all()
+    else:
+        blocks = w.reshape(w.shape[0], -1, 32)
+        step = (blocks.abs().amax(-1) / 127) if fmt == "q8" else (blocks.amax(-1) - blocks.amin(-1)) / 15
+        bound = step.repeat_interleave(32, dim=1) * 0.5 * 1.01 + 1e-3 * w.abs()  # + fp16 scale rounding
+        assert (err <= bound).all()
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_blocks_are_recovered_exactly_from_their_dequantised_weights(fmt):
+    """A model dequantised from Q8_0/Q4_1 blocks (the embedded SmolLM2 is one) is stored again in
+    exactly those blocks: the copy then holds the model's own weights."""
+    first = quantize(weights(seed=3), fmt)
+    again = quantize(dequantize(fmt, first), fmt)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(dequantize(fmt, again), dequantize(fmt, first))
+
+
+def test_odd_input_size_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), "q4")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quantize(torch.randn(4, 32), "q3")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", flat_linear.supported_isas())
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(70, 96), (1, 32), (129, 576)])
+def test_kernel_matches_its_weights_and_rows_are_independent(isa, fmt, n, k):
+    kernel = extension(isa)
+    fn = getattr(kernel, f"{fmt}_linear")
+    t = quantize(weights(n, k), fmt)
+    torch.manual_seed(1)
+    x = torch.randn(20, k)  # beyond 16 rows too: the kernel serves prefill
+    full = fn(x, *t)
+    torch.testing.assert_close(full, x @ dequantize(fmt, t).T, rtol=1e-4, atol=1e-4)
+    for m in (1, 2, 5, 16, 20):
+        for start in (0, 20 - m):
+            assert torch.equal(fn(x[start : start + m], *t), full[start : start + m])
+    if fmt != "int8":  # no per-row factor: the float32 kernel's dot products, bitwise
+        f32 = flat_linear.extension(isa)
+        assert torch.equal(f32.small_m_linear(x[:16], dequantize(fmt, t).contiguous()), full[:16])
+
+
+def small_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        attn_implementation="sdpa", tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_copy_computes_with_its_dequantised_weights(fmt):
+    model = small_llama()
+    low = copy.deepcopy(model)
+    assert use_lowbit_linear(low, fmt) == 2 * 7 + 1
+    assert isinstance(low.lm_head, LowBitLinear)
+    assert low.lm_head.fmt == ("q8" if fmt == "q4" else fmt)  # the output layer keeps 8 bits
+    assert low.model.embed_tokens.weight.dtype == torch.float32  # the lookup table is untouched
+    ref = copy.deepcopy(model)
+    for name, mod in low.named_modules():
+        if isinstance(mod, LowBitLinear):
+            w = torch.nn.Parameter(dequantize(mod.fmt, mod.tensors), requires_grad=False)
+            ref.get_submodule(name).weight = w  # a new tensor: the tied embedding stays float32
+    ids = torch.tensor([list(range(5, 40))])
+    with torch.inference_mode():
+        got, want = low(input_ids=ids).logits, ref(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_lowbit_copy_config_is_validated():
+    with pytest.raises(ConfigError, match="weights='q3'"):
+        compose_config(
+            ["hierarchy=smollm2", "hierarchy.stages.1.kind=lowbit_copy", "hierarchy.stages.1.weights=q3"]
+        )
+    cfg = compose_config(["hierarchy=smollm2", "hierarchy.stages.1.kind=lowbit_copy"])
+    assert validate(cfg) == []
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["f32", *FORMATS])
+def test_fused_layers_compute_their_parts_bitwise(fmt):
+    torch.manual_seed(4)
+    linears = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]  # q, k, v
+    if fmt == "f32":
+        parts = [flat_linear.FlatLinear(lin, flat_linear.extension()) for lin in linears]
+    else:
+        parts = [LowBitLinear.from_linear(lin, fmt, extension()) for lin in linears]
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        before = [p(x) for p in parts]
+        fused = flat_linear.fuse_linears(parts)
+        assert fused is not None
+        assert torch.equal(fused(x), torch.cat(before, dim=-1))
+        assert all(torch.equal(p(x), b) for p, b in zip(parts, before, strict=True))  # views now
+    assert flat_linear.fuse_linears([parts[0], linears[1]]) is None  # different kinds
