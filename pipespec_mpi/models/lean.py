@@ -1,0 +1,439 @@
+"""A lean forward for Llama-family decoders: transformers' torch ops without transformers' framework.
+
+A stage's forward through transformers (``LlamaForCausalLM`` with ``FlatLinear``, the preallocated
+cache and ``sdpa_gqa``) pays per layer for module calls, keyword plumbing, mask and position
+bookkeeping, per-layer cos/sin unsqueezes, cache dispatch and output dataclasses. ``LeanLlama``
+runs the same computation as one flat loop over the layers: the model's own parameters and
+linear modules (called through ``forward``; q|k|v and gate|up fused where
+``flat_linear.fuse_linears`` offers it, for the small-row sizes whose outputs do not depend on
+the width), RMSNorm, RoPE, SDPA, residuals and MLP as transformers writes them, on tensors of
+the same shapes and strides, so the logits are bitwise those of the transformers forward
+(tests/unit/test_lean.py compares them with torch.equal). Rewrites are kept only where they are
+exact: RoPE's ``rotate_half(x) * sin`` is ``roll(x, D/2) * sin_s`` with the first half of
+``sin`` negated (the same products), the boolean mask becomes SDPA's additive one once per
+forward instead of once per layer (what SDPA does with it), the rotated keys are written
+straight into the ``PreallocatedLayer`` buffers (``crop`` rolls back as before). Precomputed
+once: a cos/sin table from the rotary module itself, checked bitwise against it on windows of
+every verification length (the rotary module is called per forward otherwise), and the position
+indices the causal mask is built from, exactly as ``sdpa_mask`` builds it and only where it does.
+
+Measured here (2-core AMD EPYC, AVX-512), SmolLM2-135M float32 with FlatLinear and sdpa_gqa, one
+thread, ~200 tokens of context, medians of 21 interleaved rounds: a 1-token forward 37.5 -> 33.3
+ms, a 9-token forward 54.5 -> 48.9 ms. With every linear stubbed out, what is left per forward
+is 8.1 -> 4.9 ms (1 token) and 12.0 -> 9.0 ms (9 tokens); of that, the SDPA kernel, which both
+paths call identically over K/V the weight stream has evicted from cache, takes ~2.5 and ~5.8
+ms, so the framework's own share went from ~5.6 to 2.3 ms and from ~6.2 to 3.3 ms.
+
+Anything the loop does not reproduce (another architecture, rope types that rescale with the
+sequence length, hooks, another attention implementation, a non-CPU device) makes ``build_lean``
+return None with the reason, and the caller keeps the transformers forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv as _repeat_kv
+from transformers.integrations.sdpa_attention import use_gqa_in_sdpa as _use_gqa_in_sdpa
+
+from pipespec_mpi.models.kv_cache import PreallocatedLayer
+
+if TYPE_CHECKING:
+    from transformers import Cache
+
+log = logging.getLogger("pipespec_mpi")
+
+# Window lengths checked when the cos/sin table is built: every verification size and a few
+# prefill lengths, at several offsets.
+_PROBE_LENGTHS = (*range(1, 18), 31, 33, 64, 100)
+_TABLE_START = 512  # positions in the first table; it doubles when a sequence outgrows it
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _forward_of(module: torch.nn.Module) -> Linear:
+    """The module's ``forward`` (no ``__call__`` machinery: hooks are refused at build)."""
+    return module.forward
+
+
+def _activation(act: torch.nn.Module) -> Linear:
+    """The MLP activation: torch's silu op itself where the module only calls it, else the
+    module's forward."""
+    from transformers.activations import SiLUActivation
+
+    if type(act) is SiLUActivation or (type(act) is torch.nn.SiLU and not act.inplace):
+        return torch._C._nn.silu  # what F.silu(x) calls
+    return act.forward
+
+
+class _Layer:
+    """One decoder layer's parameters and callables, flattened for the loop."""
+
+    __slots__ = (
+        "idx", "ln1_w", "ln1_eps", "ln2_w", "ln2_eps", "qkv", "q", "k", "v", "o",
+        "gate_up", "gate", "up", "down", "act",
+    )  # fmt: skip
+
+    def __init__(self, idx: int, layer: torch.nn.Module, fuse: Callable | None) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.idx = idx
+        self.ln1_w = layer.input_layernorm.weight
+        self.ln1_eps = layer.input_layernorm.variance_epsilon
+        self.ln2_w = layer.post_attention_layernorm.weight
+        self.ln2_eps = layer.post_attention_layernorm.variance_epsilon
+        qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse is not None else None
+        self.qkv = _forward_of(qkv) if qkv is not None else None
+        self.q, self.k, self.v = (_forward_of(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o = _forward_of(attn.o_proj)
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj]) if fuse is not None else None
+        self.gate_up = _forward_of(gate_up) if gate_up is not None else None
+        self.gate, self.up, self.down = (_forward_of(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.act = _activation(mlp.act_fn)
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary)."""
+    input_dtype = h.dtype
+    if input_dtype is not torch.float32:
+        h = h.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * variance.add_(eps).rsqrt_()
+    if input_dtype is not torch.float32:
+        h = h.to(input_dtype)
+    if weight.dtype is input_dtype:
+        return h.mul_(weight)  # weight * h: the same products
+    return weight * h
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin_s: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """apply_rotary_pos_emb's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7:
+    rotate_half(x) * sin == roll(x, D/2) * sin_s, with sin_s = ``_signed(sin)``, product for
+    product ((-a) * b == a * (-b) exactly); same values, and the same strides for the result."""
+    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin_s, out=out)
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with the first half of its last dim negated (exact: a sign flip)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the lean forward, or None when it can."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama import modeling_llama as ml
+
+    from pipespec_mpi.models.attention import NAME as SDPA_GQA
+    from pipespec_mpi.models.attention import sdpa_gqa_forward
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in ("llama",):
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not llama"
+    if type(model) is not ml.LlamaForCausalLM or type(model.model) is not ml.LlamaModel:
+        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    if model.training:
+        return "model is in training mode"
+    if not getattr(cfg, "is_causal", True):
+        return "config.is_causal is False (bidirectional attention)"
+    impl = getattr(cfg, "_attn_implementation", None)
+    expected = {"sdpa": sdpa_attention_forward, SDPA_GQA: sdpa_gqa_forward}
+    if impl not in expected:
+        return f"attention implementation {impl!r} (lean reproduces sdpa and sdpa_gqa)"
+    if ALL_ATTENTION_FUNCTIONS.get(impl) is not expected[impl]:
+        return f"attention {impl!r} is registered to another function"
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not sdpa_mask:
+        return f"mask function of {impl!r} is not sdpa_mask"
+    attn0 = model.model.layers[0].self_attn if len(model.model.layers) else None
+    if impl == "sdpa" and attn0 is not None and attn0.head_dim > 256:
+        return "sdpa with head_dim > 256 (transformers packs GQA queries there)"
+    rope = getattr(model.model, "rotary_emb", None)
+    if type(rope) is not ml.LlamaRotaryEmbedding:
+        return f"rotary embedding {type(rope).__name__} is not LlamaRotaryEmbedding"
+    if not isinstance(rope.rope_type, str) or "dynamic" in rope.rope_type or rope.rope_type == "longrope":
+        return f"rope type {rope.rope_type!r} rescales with the sequence length"
+    embed = model.model.embed_tokens
+    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None:
+        return f"embedding {type(embed).__name__} is not a plain nn.Embedding"
+    device = embed.weight.device
+    if device.type != "cpu":
+        return f"device {device} (the lean forward is verified on CPU only)"
+    n = cfg.num_hidden_layers
+    if len(model.model.layers) < n:
+        return f"{len(model.model.layers)} layers for num_hidden_layers={n}"
+    for i, layer in enumerate(model.model.layers[:n]):
+        if type(layer) is not ml.LlamaDecoderLayer:
+            return f"layer {i} is {type(layer).__name__}"
+        if type(layer.self_attn) is not ml.LlamaAttention or type(layer.mlp) is not ml.LlamaMLP:
+            return f"layer {i}: attention/MLP classes are not Llama's"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(m) is not ml.LlamaRMSNorm for m in norms):
+            return f"layer {i}: norm is not LlamaRMSNorm"
+    if type(model.model.norm) is not ml.LlamaRMSNorm:
+        return "final norm is not LlamaRMSNorm"
+    for name, mod in model.named_modules():
+        if mod._forward_hooks or mod._forward_pre_hooks or hasattr(mod, "_hf_hook"):
+            return f"module {name or type(mod).__name__} has forward hooks"
+        if "forward" in vars(mod):
+            return f"module {name} has its forward replaced on the instance"
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "global module forward hooks are installed"
+    return None
+
+
+class LeanLlama:
+    """The forward of a transformers Llama causal LM as one flat loop (see the module docstring).
+
+    Built from the model as it will run (linear modules swapped, attention implementation set):
+    it keeps references to the model's parameters and modules, never copies of them.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from pipespec_mpi.models import flat_linear
+
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"lean forward unsupported: {reason}")
+        cfg = model.config
+        inner = model.model
+        self.model = model
+        self.n_layers = int(cfg.num_hidden_layers)
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.groups = int(attn0.num_key_value_groups)
+        self.scaling = attn0.scaling
+        self.head_split = (
+            int(cfg.num_attention_heads),
+            int(cfg.num_key_value_heads),
+            int(cfg.num_key_value_heads),
+        )
+        self.impl = cfg._attn_implementation
+        self.embed = _forward_of(inner.embed_tokens)
+        self.norm_w = inner.norm.weight
+        self.norm_eps = inner.norm.variance_epsilon
+        self.lm_head = _forward_of(model.lm_head)
+        self.rotary = inner.rotary_emb
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        fuse = getattr(flat_linear, "fuse_linears", None)
+        self.fuse_rows = int(getattr(flat_linear, "MAX_ROWS", 16))
+        self.layers = [_Layer(i, inner.layers[i], fuse) for i in range(self.n_layers)]
+        self.fused = sum((lay.qkv is not None) + (lay.gate_up is not None) for lay in self.layers)
+        self._cache_ok: object | None = None  # the last cache checked for a supported layout
+        self._cap = 0
+        self._table = True  # False: cos/sin come from the rotary module at every forward
+        self._grow(_TABLE_START)
+
+    # ---- positions: indices, cos/sin table --------------------------------------------------
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dummy = torch.empty(0, dtype=self.dtype, device=self.device)
+        return self.rotary.forward(dummy, position_ids)
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self._cap, _TABLE_START)
+        self._ar = torch.arange(cap, device=self.device)
+        self._cap = cap
+        if not self._table:
+            return
+        cos, sin = self._rope(self._ar[None])  # [1, cap, D]
+        self._cos, self._sin = cos[0], sin[0]
+        self._sin_s = _signed(self._sin)
+        # The table is what the rotary module gives for every window (transformers calls it on
+        # arange(T) + past), checked bitwise on windows of every small length at a few offsets.
+        for t in _PROBE_LENGTHS:
+            for off in sorted({0, 1, 7, 200, cap - t}):
+                if off < 0 or off + t > cap:
+                    continue
+                c, s = self._rope((torch.arange(t, device=self.device) + off).unsqueeze(0))
+                if not (
+                    torch.equal(c[0], self._cos[off : off + t])
+                    and torch.equal(s[0], self._sin[off : off + t])
+                ):
+                    log.info(
+                        "lean forward: cos/sin table differs from the rotary module; computing per forward"
+                    )
+                    self._table = False
+                    del self._cos, self._sin, self._sin_s
+                    return
+
+    def _check_cache(self, cache: Cache) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) < self.n_layers:
+            raise ValueError(f"lean forward: cache with {len(layers or [])} layers for {self.n_layers}")
+        if getattr(cache, "offloading", False) or getattr(cache, "layer_class_to_replicate", None):
+            raise ValueError("lean forward: offloading or lazily built caches are not supported")
+        kinds = {type(lay) for lay in layers[: self.n_layers]}
+        if not kinds <= {PreallocatedLayer, DynamicLayer}:
+            raise ValueError(f"lean forward: cache layers {sorted(k.__name__ for k in kinds)}")
+        self._cache_ok = cache
+
+    # ---- the forward ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: Cache, keep: int) -> torch.Tensor:
+        """Logits [1, keep, V] of ``input_ids`` [1, T] after the ``cache``'s positions (which it
+        extends), bitwise those of ``model(input_ids=..., cache=cache, logits_to_keep=keep)``;
+        ``keep`` 0 keeps all positions."""
+        if cache is not self._cache_ok:
+            self._check_cache(cache)
+        if input_ids.shape[0] != 1:
+            raise ValueError("lean forward: batch size 1 only")
+        cache_layers = cache.layers
+        t = input_ids.shape[1]
+        past = cache_layers[0].get_seq_length()
+        end = past + t
+        if end > self._cap:
+            self._grow(end)
+        ar = self._ar
+
+        h = self.embed(input_ids)  # [1, T, H]
+        if self._table:  # [1, 1, T, D] views with the strides transformers' cos/sin have
+            cos = self._cos[past:end].unsqueeze(0).unsqueeze(1)
+            sin_s = self._sin_s[past:end].unsqueeze(0).unsqueeze(1)
+        else:
+            cos, sin = self._rope(ar[past:end].unsqueeze(0))
+            cos, sin_s = cos.unsqueeze(1), _signed(sin).unsqueeze(1)
+        # The mask as create_causal_mask/sdpa_mask build it: none for one query or an empty
+        # cache (then SDPA's is_causal, as the sdpa integrations set it), else kv_idx <= q_idx;
+        # turned into the additive mask SDPA makes of a boolean one, once instead of per layer.
+        if t == 1 or past == 0:
+            mask = None
+        else:
+            mask = ar[:end][None, None, None, :] <= ar[past:end][None, None, :, None]
+            mask = mask.expand(1, -1, t, end)
+        causal = t > 1 and mask is None
+        additive = mask is not None
+        if self.groups > 1 and self.impl == "sdpa":
+            per_layer_gqa = True  # transformers' sdpa decides on each layer's key/value
+            sdpa_kw: dict = {}
+        else:
+            per_layer_gqa = False
+            sdpa_kw = {"enable_gqa": True} if self.groups > 1 else {}
+        hd, scaling, head_split = self.head_dim, self.scaling, self.head_split
+        hidden_shape = (1, t, -1, hd)
+        # Fused linears only for the small-row kernel's sizes, whose outputs are row- and
+        # width-independent by construction; a prefill keeps torch's GEMM per part, as transformers.
+        fused = t <= self.fuse_rows
+        sdpa = F.scaled_dot_product_attention
+
+        for lay in self.layers:
+            residual = h
+            x = _rms_norm(h, lay.ln1_w, lay.ln1_eps)
+            if fused and lay.qkv is not None:  # [1, H_q + 2 H_kv, T, D]: the same views as per part
+                q, k, v = lay.qkv(x).view(hidden_shape).transpose(1, 2).split(head_split, 1)
+            else:
+                q = lay.q(x).view(hidden_shape).transpose(1, 2)
+                k = lay.k(x).view(hidden_shape).transpose(1, 2)
+                v = lay.v(x).view(hidden_shape).transpose(1, 2)
+            q = _rotate(q, cos, sin_s)
+            cl = cache_layers[lay.idx]
+            if type(cl) is PreallocatedLayer:  # the rotated keys go straight into the buffer
+                if not cl.is_initialized:
+                    cl.lazy_initialization(v, v)
+                start = cl.length
+                stop = start + t
+                if stop > cl.capacity:
+                    cl._grow(stop)
+                _rotate(k, cos, sin_s, out=cl._kbuf.narrow(2, start, t))
+                cl._vbuf.narrow(2, start, t).copy_(v)
+                cl.length = stop
+                cl._views()
+                k, v = cl.keys, cl.values
+            else:
+                k = _rotate(k, cos, sin_s)
+                k, v = cl.update(k, v)
+            if additive:  # what SDPA makes of the boolean mask (in the queries' dtype), made once
+                mask = torch.where(mask, 0.0, torch.scalar_tensor(float("-inf"), dtype=q.dtype))
+                additive = False
+            if per_layer_gqa:  # plain sdpa: enable_gqa without a mask, else repeat_kv
+                if _use_gqa_in_sdpa(mask, k, v):
+                    sdpa_kw = {"enable_gqa": True}
+                else:
+                    sdpa_kw = {}
+                    k, v = _repeat_kv(k, self.groups), _repeat_kv(v, self.groups)
+            if causal and k.shape[2] > t:
+                k, v = k[:, :, :t], v[:, :, :t]
+            a = sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=causal, **sdpa_kw)
+            a = a.transpose(1, 2).contiguous()  # [1, T, H_q, D]
+            a = a.reshape(1, t, -1).contiguous()
+            h = residual + lay.o(a)
+
+            residual = h
+            x = _rms_norm(h, lay.ln2_w, lay.ln2_eps)
+            if fused and lay.gate_up is not None:
+                gu = lay.gate_up(x)
+                n = gu.shape[-1] // 2
+                # contiguous: the activation's vectorised/scalar split then falls on the same
+                # elements as for the separate gate output (SiLU's two paths differ in the last bit)
+                gate, up = gu[..., :n].contiguous(), gu[..., n:]
+            else:
+                gate, up = lay.gate(x), lay.up(x)
+            h = residual + lay.down(lay.act(gate) * up)
+
+        h = _rms_norm(h, self.norm_w, self.norm_eps)
+        if keep > 0:
+            h = h[:, -keep:, :]
+        return self.lm_head(h)
+
+
+def _signature(model: torch.nn.Module) -> tuple:
+    """What a built lean forward depends on: the attention choice, the module objects and where
+    their tensors live (a model moved or cast after the build gets a new lean forward)."""
+    tensors = (*model.parameters(), *model.buffers())
+    return (
+        getattr(model.config, "_attn_implementation", None),
+        *map(id, model.modules()),
+        *((t.data_ptr(), t.dtype) for t in tensors),
+    )
+
+
+class _Memo:
+    """A model's built lean forward; copies and pickles of the model start without one."""
+
+    __slots__ = ("sig", "lean", "why")
+
+    def __init__(self, sig: tuple | None = None, lean: LeanLlama | None = None, why: str = "") -> None:
+        self.sig, self.lean, self.why = sig, lean, why
+
+    def __deepcopy__(self, memo: dict) -> _Memo:
+        return _Memo()
+
+    def __reduce__(self) -> tuple:
+        return (_Memo, ())
+
+
+def build_lean(model: torch.nn.Module) -> tuple[LeanLlama | None, str]:
+    """The lean forward of ``model`` (or None) and a line saying which forward runs and why.
+
+    Built once per model and reused while its modules stay the same (a lean forward holds no
+    per-sequence state, so scorers sharing a model share it; fusing twice would copy weights)."""
+    memo = getattr(model, "_pipespec_lean", None)
+    if memo is not None and memo.sig == _signature(model):
+        return memo.lean, memo.why
+    reason = unsupported_reason(model)
+    if reason is not None:
+        lean, why = None, f"transformers forward ({reason})"
+    else:
+        try:
+            lean = LeanLlama(model)
+        except Exception as err:  # noqa: BLE001 - anything unexpected: keep the transformers forward
+            lean, why = None, f"transformers forward (lean build failed: {type(err).__name__}: {err})"
+        else:
+            table = "cos/sin table" if lean._table else "cos/sin per forward"
+            why = f"lean forward ({lean.n_layers} layers, {lean.fused} fused linears, {table})"
+    # A plain attribute (not a submodule), signed after the build: fusing re-points the parts'
+    # weights into the fused ones.
+    object.__setattr__(model, "_pipespec_lean", _Memo(_signature(model), lean, why))
+    return lean, why

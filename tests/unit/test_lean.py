@@ -1,0 +1,259 @@
+"""The lean Llama forward (models/lean.py) against the transformers forward it replaces: logits
+bitwise equal (torch.equal) through prefill, one-token steps, k-token verifications and rollbacks,
+with and without the flat kernel and its fused linears, grouped-query heads, both sdpa flavours,
+an int8 dynamic copy; unsupported models keep the transformers forward."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from pipespec_mpi.config import TinyBaseConfig
+from pipespec_mpi.models import flat_linear
+from pipespec_mpi.models.attention import use_sdpa_gqa
+from pipespec_mpi.models.base import KVScorer
+from pipespec_mpi.models.flat_linear import extension, use_flat_linear
+from pipespec_mpi.models.kv_cache import preallocated_cache
+from pipespec_mpi.models.lean import LeanLlama, _rotate, _signed, build_lean, unsupported_reason
+from pipespec_mpi.models.tiny import build_tiny
+
+needs_kernel = pytest.mark.skipif(extension() is None, reason="flat kernel not buildable on this CPU")
+
+# GQA in both: 4 heads over 2 KV heads (head_dim 16), 6 over 2 (head_dim 12: vector tails in
+# every elementwise op)
+BASES = {
+    "tiny": TinyBaseConfig(),
+    "odd": TinyBaseConfig(hidden_size=72, intermediate_size=100, num_heads=6, num_kv_heads=2, num_layers=3),
+}
+
+# ("f", tokens): a forward keeping every position's logits; ("crop", n): roll back n positions
+STEPS = [
+    ("f", [(7 * i) % 250 for i in range(37)]),  # prefill: > 16 rows, torch's GEMM in FlatLinear
+    ("f", [7]),
+    ("f", [8]),
+    ("f", [9, 10, 11, 12]),  # a proposal under verification
+    ("crop", 3),  # rejected tokens rolled back
+    ("f", [13, 14]),
+    ("crop", 1),
+    ("f", [15]),
+    *[("f", list(range(20, 20 + k))) for k in range(2, 17)],  # every verification size (2..16)
+    ("crop", 12),
+    ("f", list(range(40, 57))),  # 17 rows after a cache: mask, torch's GEMM
+    ("f", [3]),
+]
+
+
+def model_for(base: str, *, flat: bool, attn: str = "sdpa_gqa", int8: bool = False) -> LlamaForCausalLM:
+    """A tiny random Llama as load_stage prepares it (deterministic: equal builds are equal)."""
+    model = build_tiny(BASES[base], None, 0.0, 0, torch.float32)
+    if attn == "sdpa_gqa":
+        assert use_sdpa_gqa(model)
+    if int8:
+        from torch.ao.quantization import quantize_dynamic
+
+        model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if flat:
+        assert use_flat_linear(model) > 0
+    return model.eval()
+
+
+@torch.inference_mode()
+def run_transformers(model, cache, steps=STEPS) -> list[torch.Tensor]:
+    out = []
+    for kind, arg in steps:
+        if kind == "f":
+            ids = torch.tensor([arg])
+            out.append(model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=len(arg)).logits)
+        else:
+            cache.crop(-arg)
+    return out
+
+
+def run_lean(lean: LeanLlama, cache, steps=STEPS) -> list[torch.Tensor]:
+    out = []
+    for kind, arg in steps:
+        if kind == "f":
+            out.append(lean.forward(torch.tensor([arg]), cache, len(arg)))
+        else:
+            cache.crop(-arg)
+    return out
+
+
+def assert_bitwise(ref: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert a.shape == b.shape, i
+        assert torch.equal(a, b), f"forward {i}: max |diff| {(a - b).abs().max().item()}"
+
+
+def lean_for(model) -> LeanLlama:
+    lean, why = build_lean(model)
+    assert lean is not None, why
+    return lean
+
+
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("attn", ["sdpa_gqa", "sdpa"])
+@pytest.mark.parametrize("capacity", [8, 200])  # 8 makes the preallocated buffers grow
+def test_lean_equals_transformers_torch_linear(base, attn, capacity):
+    ref_model = model_for(base, flat=False, attn=attn)
+    model = model_for(base, flat=False, attn=attn)
+    lean = lean_for(model)
+    assert lean.fused == 0 and lean._table
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, capacity))
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, capacity)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_lean_other_dtypes(dtype):
+    """RMSNorm's float32 round trip and the mask in the queries' dtype."""
+    ref_model, model = (build_tiny(BASES["odd"], None, 0.0, 0, dtype) for _ in range(2))
+    assert use_sdpa_gqa(ref_model) and use_sdpa_gqa(model)
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
+    assert_bitwise(ref, run_lean(lean_for(model), preallocated_cache(model.config, 64)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("fuse", [True, False])
+def test_lean_equals_transformers_flat_linear(base, fuse, monkeypatch):
+    if not fuse:
+        monkeypatch.delattr(flat_linear, "fuse_linears", raising=False)
+    ref_model = model_for(base, flat=True)
+    model = model_for(base, flat=True)
+    lean = lean_for(model)
+    n = model.config.num_hidden_layers
+    assert lean.fused == (2 * n if fuse and hasattr(flat_linear, "fuse_linears") else 0)
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 64)))
+    # the model itself (its linears now views of the fused weights) still computes the same
+    assert_bitwise(ref, run_transformers(model, preallocated_cache(model.config, 64)))
+
+
+def test_lean_int8_dynamic_copy():
+    ref_model = model_for("tiny", flat=False, int8=True)
+    model = model_for("tiny", flat=False, int8=True)
+    assert type(model.model.layers[0].self_attn.q_proj).__module__.startswith("torch.ao.nn.quantized")
+    lean = lean_for(model)
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 64)))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "q8", "q4"])
+def test_lean_lowbit_copies(fmt):
+    """Weight-only low-bit linears (models/lowbit.py), fused where they offer it."""
+    lowbit = pytest.importorskip("pipespec_mpi.models.lowbit")
+    ref_model, model = model_for("tiny", flat=False), model_for("tiny", flat=False)
+    assert lowbit.use_lowbit_linear(ref_model, fmt) == lowbit.use_lowbit_linear(model, fmt) > 0
+    lean = lean_for(model)
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 64)))
+
+
+def test_lean_dynamic_cache_and_rotary_per_forward():
+    """transformers' own DynamicLayer cache, and cos/sin from the rotary module at each forward
+    (the path taken where the precomputed table would not be bitwise)."""
+    ref_model = model_for("odd", flat=False)
+    model = model_for("odd", flat=False)
+    lean = lean_for(model)
+    ref = run_transformers(ref_model, DynamicCache(config=ref_model.config))
+    assert_bitwise(ref, run_lean(lean, DynamicCache(config=model.config)))
+    lean._table = False
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 16)))
+
+
+@pytest.mark.parametrize(("d", "heads", "kv_heads"), [(64, 9, 3), (12, 6, 2), (16, 4, 2)])
+@pytest.mark.parametrize("t", [1, 2, 9, 17, 37])
+def test_rotate_equals_apply_rotary_pos_emb(d, heads, kv_heads, t):
+    """Values and strides (SDPA sees the queries' layout), from separate and from fused outputs."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(t)
+    out = torch.randn(1, t, (heads + 2 * kv_heads) * d)  # a fused q|k|v output
+    cos, sin = torch.randn(1, t, d), torch.randn(1, t, d)
+    q = out[..., : heads * d].contiguous().view(1, t, -1, d).transpose(1, 2)
+    k = out[..., heads * d : (heads + kv_heads) * d].contiguous().view(1, t, -1, d).transpose(1, 2)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    fq, fk, _ = out.view(1, t, -1, d).transpose(1, 2).split((heads, kv_heads, kv_heads), 1)
+    c, s = cos.unsqueeze(1), _signed(sin).unsqueeze(1)
+    for got, ref in ((_rotate(q, c, s), q_ref), (_rotate(fq, c, s), q_ref), (_rotate(fk, c, s), k_ref)):
+        assert torch.equal(got, ref) and got.stride() == ref.stride()
+
+
+def test_lean_comparison_can_fail():
+    """The bitwise comparison notices a change in the last bit: one norm's weights, one ulp up."""
+    ref_model = model_for("tiny", flat=False)
+    model = model_for("tiny", flat=False)
+    lean = lean_for(model)
+    w = lean.layers[1].ln2_w
+    lean.layers[1].ln2_w = torch.nextafter(w.detach(), torch.full_like(w, float("inf")))
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64), STEPS[:2])
+    got = run_lean(lean, preallocated_cache(model.config, 64), STEPS[:2])
+    assert not all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+@pytest.mark.parametrize("flat", [False, pytest.param(True, marks=needs_kernel)])
+def test_kvscorer_lean_equals_transformers_path(flat, caplog):
+    """The stage's scorer API (prefill, logits, truncate) with and without the lean forward."""
+    with caplog.at_level(logging.INFO, logger="pipespec_mpi"):
+        lean = KVScorer("lean", model_for("tiny", flat=flat), torch.device("cpu"))
+        plain = KVScorer("plain", model_for("tiny", flat=flat), torch.device("cpu"), lean=False)
+    assert lean._lean is not None and plain._lean is None
+    assert "lean: lean forward" in caplog.text and "plain: transformers forward (lean=False)" in caplog.text
+    seq = [(5 * i + 1) % 250 for i in range(30)]
+    for s in (lean, plain):
+        s.prefill(seq, room=4)  # small room: the buffers grow during the test
+    for proposal, accepted in (([1, 2, 3], 1), ([4], 1), (list(range(50, 66)), 9), ([6, 7], 0)):
+        a = lean.logits(seq, proposal)
+        b = plain.logits(seq, proposal)
+        assert torch.equal(a, b)
+        seq = seq + proposal[:accepted] + [int(a[accepted].argmax())]
+        for s in (lean, plain):
+            s.truncate(len(seq) - 1)
+
+
+@pytest.mark.parametrize("flat", [False, pytest.param(True, marks=needs_kernel)])
+def test_lean_is_built_once_per_model(flat):
+    model = model_for("tiny", flat=flat)
+    first, _ = build_lean(model)
+    again, _ = build_lean(model)
+    assert first is not None and again is first
+    model.double()  # moved tensors: a new lean forward, in the new dtype
+    third, _ = build_lean(model)
+    assert third is not None and third is not first and third.dtype == torch.float64
+
+
+def test_unsupported_models_keep_transformers_forward(caplog):
+    eager = model_for("tiny", flat=False, attn="eager")
+    eager.config._attn_implementation = "eager"
+    eager.set_attn_implementation("eager")
+    assert "attention implementation 'eager'" in unsupported_reason(eager)
+
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    dynamic = LlamaForCausalLM(cfg).eval()
+    assert "rescales with the sequence length" in unsupported_reason(dynamic)
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    ).eval()  # fmt: skip
+    assert "is not llama" in unsupported_reason(qwen)
+
+    hooked = model_for("tiny", flat=False)
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "hooks" in unsupported_reason(hooked)
+
+    with caplog.at_level(logging.INFO, logger="pipespec_mpi"):
+        scorer = KVScorer("q", qwen, torch.device("cpu"))
+    assert scorer._lean is None and "q: transformers forward (model_type 'qwen2' is not llama)" in caplog.text
+    scorer.prefill([1, 2, 3, 4], room=4)
+    assert scorer.logits([1, 2, 3, 4], [5, 6]).shape == (3, 64)
