@@ -76,18 +76,23 @@ static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 #endif
 
-static inline void prefetch(const void* p) { _mm_prefetch((const char*)p, PREFETCH_HINT); }
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES 8192  // prefetch distance: 8-32 KB best (int8 linears 12.8 ms at 2 KB, 8.0 at 8 KB)
+#endif
+static inline void prefetch(const void* p) {
+  _mm_prefetch((const char*)p + AHEAD_BYTES, PREFETCH_HINT);
+}
 
 struct BF16 {  // [N, K] bfloat16
   const uint16_t* w; int64_t K;
   vec load(int64_t n, int64_t k) const { return cvt_u16_to_f32_hi(w + n * K + k); }
-  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 2); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k); }
   float factor(int64_t) const { return 1.0f; }
 };
 struct I8 {  // [N, K] int8, s[N]
   const int8_t* w; const float* s; int64_t K;
   vec load(int64_t n, int64_t k) const { return cvt_i8(w + n * K + k); }
-  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 4); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k); }
   float factor(int64_t n) const { return s[n]; }
 };
 struct Q8 {  // [N, K] int8, d[N, K/32]: w = q * d
@@ -95,7 +100,7 @@ struct Q8 {  // [N, K] int8, d[N, K/32]: w = q * d
   vec load(int64_t n, int64_t k) const {
     return vmul(cvt_i8(w + n * K + k), vset1(d[n * (K / 32) + k / 32]));
   }
-  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k + PREFETCH / 4); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * K + k); }
   float factor(int64_t) const { return 1.0f; }
 };
 struct Q4 {  // [N, K/2] nibbles (block b: byte i = q[32b+i] | q[32b+16+i] << 4), d, m [N, K/32]
@@ -105,7 +110,7 @@ struct Q4 {  // [N, K/2] nibbles (block b: byte i = q[32b+i] | q[32b+16+i] << 4)
     vec q = cvt_nibbles(w + n * (K / 2) + (k / 32) * 16 + (j & 15), j >= 16);
     return vadd(vmul(q, vset1(d[b])), vset1(m[b]));  // as gguf-py: (d * q) + m, two roundings
   }
-  void ahead(int64_t n, int64_t k) const { prefetch(w + n * (K / 2) + k / 2 + PREFETCH / 8); }
+  void ahead(int64_t n, int64_t k) const { prefetch(w + n * (K / 2) + k / 2); }
   float factor(int64_t) const { return 1.0f; }
 };
 
@@ -232,7 +237,7 @@ def extension(isa: str | None = None):
 
     Built without floating-point contraction, so the q4/q8 dequantisation is a multiply and an
     add (the float32 order gguf-py uses), never a fused multiply-add."""
-    return build("pipespec_lowbit_linear_v1", _CPP, _FUNCTIONS, isa, ("-ffp-contract=off",))
+    return build("pipespec_lowbit_linear_v2", _CPP, _FUNCTIONS, isa, ("-ffp-contract=off",))
 
 
 # --- quantisers and their inverses (pure tensor functions) -------------------------------------
