@@ -161,7 +161,7 @@ class DecodeConfig:
     max_run_ahead: int = 8  # how far a stage may run ahead of its verifier's committed tokens (work
     # beyond a rejection is lost and, on shared cores, slows the verifier)
     max_verify: int = 16  # most proposal tokens verified in one forward
-    sd_window: int | None = 2  # synchronous SD's fixed window; None: the lookahead
+    sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
 
     def window(self, method: str) -> int:
         """Proposals a verifier waits for under ``method``: SD's fixed window, else the lookahead."""

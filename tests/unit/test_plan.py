@@ -73,17 +73,17 @@ def test_overrides_are_hydra_ready(inputs):
 def test_overrides_name_a_matching_preset():
     inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2",
                           stage_defs=plan.stage_defs_of("smollm2"))  # fmt: skip
-    c = plan.Candidate("pipespec", ("smollm2-135m-int8", "smollm2-135m"), 0, 1.0, 1.0)
-    assert plan.overrides(c, inp).startswith("hierarchy=smollm2_int8 ")
+    c = plan.Candidate("pipespec", ("smollm2-135m-w8", "smollm2-135m"), 0, 1.0, 1.0)
+    assert plan.overrides(c, inp).startswith("hierarchy=smollm2_w8 ")
 
 
 def test_overrides_remap_copy_of():
-    rename = {"smollm2-135m-int8": "my-int8"}  # so that the candidate matches no preset
+    rename = {"smollm2-135m-w8": "my-w8"}  # so that the candidate matches no preset
     defs = {
         rename.get(k, k): replace(v, name=rename.get(k, k)) for k, v in plan.stage_defs_of("smollm2").items()
     }
     inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2", stage_defs=defs)
-    c = plan.Candidate("pipespec", ("my-int8", "smollm2-135m"), 0, 1.0, 1.0)
+    c = plan.Candidate("pipespec", ("my-w8", "smollm2-135m"), 0, 1.0, 1.0)
     o = plan.overrides(c, inp)
     assert "copy_of: 1" in o and "prompt-lookup" not in o
 
