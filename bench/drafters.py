@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/drafters.py [--prompts 8] [--seed 7] [--tokens 64] [--threads 1]
 
-For each copy of the embedded target (torch's dynamic int8, and the weight-only bf16 / int8 /
-q8 / q4 copies of models/lowbit.py) and each dataset (HumanEval code, news prose):
+For each copy of the embedded target (torch's dynamic int8, the weight-only bf16 / int8 / q8 /
+q4 copies of models/lowbit.py and its w8a8 copy) and each dataset (HumanEval code, news prose):
 
 * agreement: the target decodes each prompt greedily (``--tokens`` new tokens); the copy then
   reads prompt + continuation in one forward and its greedy choice at every continuation
@@ -36,6 +36,7 @@ COPIES = {
     "int8 weight-only": {"kind": "lowbit_copy", "weights": "int8"},
     "q8 weight-only": {"kind": "lowbit_copy", "weights": "q8"},
     "q4 weight-only": {"kind": "lowbit_copy", "weights": "q4"},
+    "w8a8 (int8 activations too)": {"kind": "lowbit_copy", "weights": "w8a8"},
 }
 
 

@@ -32,7 +32,7 @@ METHODS = ("ar", "sd", "pipespec")
 MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
 STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup")
-WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4")  # models/lowbit.py FORMATS
+WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/lowbit.py FORMATS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
 TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
@@ -78,7 +78,8 @@ class StageConfig:
                     weights and activations in 8 bits (torch's fbgemm).
       lowbit_copy   a weight-only copy of the stage ``copy_of`` on CPU: weights stored in
                     ``weights`` (bf16, int8 per channel, q8 or q4 blocks of 32), activations and
-                    accumulation float32 (models/lowbit.py).
+                    accumulation float32; or ``w8a8``: int8 activations per row as well, integer
+                    dot products (models/lowbit.py).
       prompt_lookup model-free n-gram drafter (may only head a hierarchy).
     """
 

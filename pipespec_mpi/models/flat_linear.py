@@ -182,13 +182,18 @@ int64_t lanes() { return LANES; }
 _EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it failed to build
 
 
-def cpu_isa() -> str | None:
-    """The widest vector ISA the kernel has a build for: "avx512", "avx2", or None."""
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
-        return None
+        return set()
+
+
+def cpu_isa() -> str | None:
+    """The widest vector ISA the kernel has a build for: "avx512", "avx2", or None."""
+    flags = cpu_flags()
     if {"avx512f", "avx512vl", "fma"} <= flags:
         return "avx512"
     if {"avx2", "fma"} <= flags:

@@ -15,6 +15,11 @@ Formats (``FORMATS``), all with blocks of 32 along the input dimension where the
   q8    int8 weights with one scale per block of 32 (llama.cpp's Q8_0; scale rounded to fp16).
   q4    4-bit weights with a scale and a minimum per block of 32 (llama.cpp's Q4_1; both rounded
         to fp16), w = d * q + m, 0.75 bytes per weight with the float32 scales stored here.
+  w8a8  not weight-only: int8 weights per output channel as ``int8``, and the activations
+        quantised per row to int8 as well, dot products in int32 (AVX512-VNNI where the CPU has
+        it: 4 multiply-adds per lane and instruction), so a k-row forward costs far less compute
+        than with float32 arithmetic; per-row activation scales keep each row's result
+        independent of the other rows.
 
 The q4 and q8 quantisers reproduce a GGUF's own Q4_1/Q8_0 blocks exactly from weights that were
 dequantised from them (the embedded SmolLM2 is such a model: its float32 weights *are* the
@@ -29,16 +34,18 @@ import logging
 
 import torch
 
-from pipespec_mpi.models.flat_linear import _PREAMBLE, build
+from pipespec_mpi.models.flat_linear import _PREAMBLE, build, cpu_flags, cpu_isa
 
 log = logging.getLogger("pipespec_mpi")
 BLOCK = 32
-FORMATS = ("bf16", "int8", "q8", "q4")
+FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")
 
 _CPP = (
     _PREAMBLE
     + r"""
 #include <cstdint>
+#include <cmath>
+#include <vector>
 
 // A weight format gives row n's weights at columns [k, k + LANES) as floats (k a multiple of
 // LANES; K a multiple of 32) and a per-row factor applied to the finished dot product.
@@ -185,6 +192,116 @@ static torch::Tensor prepare(torch::Tensor& x, int64_t K, int64_t N) {
   return torch::empty({x.size(0), N}, x.options());
 }
 
+// w8a8: int8 weights (per-channel scale sw, column sums cs) against activations quantised per row
+// to int8 (scale sx = absmax / 127, round to nearest even), dot products in int32 (exact: the
+// order does not matter), y = (acc - 128 * cs[n]) * (sx[m] * sw[n]). With AVX512-VNNI the
+// activations are offset to unsigned (xq + 128) for vpdpbusd, 64 multiply-adds per instruction;
+// elsewhere a scalar loop computes the same integers, so every build gives bitwise the same y.
+static void quantize_rows(const float* X, int64_t M, int64_t K, uint8_t* XU, float* SX) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = X + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    SX[m] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      int q = (int)std::nearbyint(x[k] / s);
+      q = std::min(127, std::max(-127, q));
+      XU[m * K + k] = (uint8_t)(q + 128);
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+template <int G>
+static void rows_w8a8(const uint8_t* XU, const int8_t* W, int32_t* ACC, int64_t K, int64_t N,
+                      int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 1 < n1; n += 2) {
+    const int8_t* w0 = W + n * K;
+    const int8_t* w1 = w0 + K;
+    __m512i a0[G], a1[G];
+#pragma GCC unroll 16
+    for (int m = 0; m < G; ++m) { a0[m] = _mm512_setzero_si512(); a1[m] = _mm512_setzero_si512(); }
+    for (int64_t k = 0; k < K; k += 64) {
+      __m512i v0 = _mm512_loadu_si512(w0 + k), v1 = _mm512_loadu_si512(w1 + k);
+      prefetch(w0 + k);
+      prefetch(w1 + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < G; ++m) {
+        __m512i x = _mm512_loadu_si512(XU + m * K + k);
+        a0[m] = _mm512_dpbusd_epi32(a0[m], x, v0);
+        a1[m] = _mm512_dpbusd_epi32(a1[m], x, v1);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < G; ++m) {
+      ACC[m * N + n] = _mm512_reduce_add_epi32(a0[m]);
+      ACC[m * N + n + 1] = _mm512_reduce_add_epi32(a1[m]);
+    }
+  }
+  for (; n < n1; ++n) {
+    const int8_t* w0 = W + n * K;
+    for (int m = 0; m < G; ++m) {
+      __m512i a = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 64)
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(XU + m * K + k), _mm512_loadu_si512(w0 + k));
+      ACC[m * N + n] = _mm512_reduce_add_epi32(a);
+    }
+  }
+}
+
+template <int G>
+static void dispatch_w8a8(int g, const uint8_t* XU, const int8_t* W, int32_t* ACC, int64_t K,
+                          int64_t N, int64_t n0, int64_t n1) {
+  if (g == G) return rows_w8a8<G>(XU, W, ACC, K, N, n0, n1);
+  if constexpr (G > 1) dispatch_w8a8<G - 1>(g, XU, W, ACC, K, N, n0, n1);
+}
+#endif
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sw, torch::Tensor cs) {
+  TORCH_CHECK(w.dtype() == torch::kInt8 && w.is_contiguous(), "w: contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  TORCH_CHECK(K % 64 == 0, "w8a8: K must be a multiple of 64");
+  TORCH_CHECK(sw.dtype() == torch::kFloat32 && sw.is_contiguous() && sw.numel() == N, "sw: float32 [N]");
+  TORCH_CHECK(cs.dtype() == torch::kInt32 && cs.is_contiguous() && cs.numel() == N, "cs: int32 [N]");
+  auto y = prepare(x, K, N);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> sx(M);
+  std::vector<int32_t> acc(M * N);
+  quantize_rows(x.data_ptr<float>(), M, K, xu.data(), sx.data());
+  const int8_t* W = w.data_ptr<int8_t>();
+#if defined(__AVX512VNNI__)
+  const int64_t BLK = 32;
+  const int64_t g_max = std::max<int64_t>(1, std::min<int64_t>(GROUP, 4 * X_IN_L1 / K));
+  at::parallel_for(0, (N + 2 * BLK - 1) / (2 * BLK), 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 2 * BLK, n1 = std::min(N, n0 + 2 * BLK);
+      for (int64_t m0 = 0; m0 < M; m0 += g_max) {
+        const int g = (int)std::min<int64_t>(g_max, M - m0);
+        dispatch_w8a8<GROUP>(g, xu.data() + m0 * K, W, acc.data() + m0 * N, K, N, n0, n1);
+      }
+    }
+  });
+#else
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        int32_t a = 0;
+        for (int64_t k = 0; k < K; ++k) a += (int32_t)xu[m * K + k] * (int32_t)W[n * K + k];
+        acc[m * N + n] = a;
+      }
+  });
+#endif
+  const float* SW = sw.data_ptr<float>();
+  const int32_t* CS = cs.data_ptr<int32_t>();
+  float* Y = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n)
+      Y[m * N + n] = (float)(acc[m * N + n] - 128 * CS[n]) * (sx[m] * SW[n]);
+  return y;
+}
+
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous(), "w: contiguous bfloat16 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
@@ -229,7 +346,7 @@ torch::Tensor q4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch
 """
 )
 
-_FUNCTIONS = ["bf16_linear", "int8_linear", "q8_linear", "q4_linear"]
+_FUNCTIONS = ["bf16_linear", "int8_linear", "q8_linear", "q4_linear", "w8a8_linear"]
 
 
 def extension(isa: str | None = None):
@@ -237,7 +354,12 @@ def extension(isa: str | None = None):
 
     Built without floating-point contraction, so the q4/q8 dequantisation is a multiply and an
     add (the float32 order gguf-py uses), never a fused multiply-add."""
-    return build("pipespec_lowbit_linear_v2", _CPP, _FUNCTIONS, isa, ("-ffp-contract=off",))
+    isa = isa or cpu_isa()
+    flags: tuple[str, ...] = ("-ffp-contract=off",)
+    name = "pipespec_lowbit_linear_v3"
+    if isa == "avx512" and "avx512_vnni" in cpu_flags():  # w8a8's integer dot products
+        flags, name = (*flags, "-mavx512bw", "-mavx512vnni"), name + "_vnni"
+    return build(name, _CPP, _FUNCTIONS, isa, flags)
 
 
 # --- quantisers and their inverses (pure tensor functions) -------------------------------------
@@ -255,10 +377,14 @@ def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
         raise ValueError(f"in_features {k} is not a multiple of {BLOCK}")
     if fmt == "bf16":
         return (w.to(torch.bfloat16),)
-    if fmt == "int8":  # symmetric, per output channel
+    if fmt in ("int8", "w8a8"):  # symmetric, per output channel
+        if fmt == "w8a8" and k % 64:
+            raise ValueError(f"in_features {k} is not a multiple of 64 (w8a8)")
         s = w.abs().amax(1) / 127
         s = torch.where(s > 0, s, torch.ones_like(s))
         q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        if fmt == "w8a8":  # + column sums, to undo the +128 offset of the unsigned activations
+            return q, s.contiguous(), q.sum(1, dtype=torch.int32).contiguous()
         return q, s.contiguous()
     blocks = w.reshape(n, k // BLOCK, BLOCK)  # [N, K/32, 32]
     if fmt == "q8":  # Q8_0: d = amax / 127 (fp16), q = round(w / d)
@@ -280,8 +406,8 @@ def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The float32 weights [N, K] the kernel computes with (the reference for tests)."""
     if fmt == "bf16":
         return tensors[0].float()
-    if fmt == "int8":
-        q, s = tensors
+    if fmt in ("int8", "w8a8"):
+        q, s = tensors[:2]
         return q.float() * s[:, None]
     if fmt == "q8":
         q, d = tensors
@@ -294,6 +420,24 @@ def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [N, K/32, 32]
         return (q * d[..., None] + m[..., None]).reshape(n, k)
     raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w8a8's activations: per row, scale = absmax / 127 (1 for a zero row), round half to even."""
+    amax = x.abs().amax(-1)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return torch.round(x / sx[:, None]).clamp(-127, 127), sx
+
+
+def reference_linear(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes for ``x`` [M, K], in torch (exactly so for w8a8: its sums are
+    integers, here in float64, exact for |sum| < 2^53)."""
+    if fmt != "w8a8":
+        return x @ dequantize(fmt, tensors).T
+    q, sw, _ = tensors
+    xq, sx = quantize_rows(x.float())
+    acc = (xq.double() @ q.double().T).to(torch.int32)  # [M, N], exact
+    return acc.float() * (sx[:, None] * sw[None, :])
 
 
 # --- the layer -----------------------------------------------------------------------------------
@@ -337,7 +481,7 @@ class LowBitLinear(torch.nn.Module):
         if self._fn is not None:  # noqa: SIM108 - the two paths read better apart
             y = self._fn(x2, *self.tensors)  # [M, N]
         else:
-            y = x2 @ dequantize(self.fmt, self.tensors).T
+            y = reference_linear(self.fmt, self.tensors, x2)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -381,7 +525,7 @@ def use_lowbit_linear(model: torch.nn.Module, fmt: str, isa: str | None = None) 
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not torch.nn.Linear or child.in_features % BLOCK:
+            if type(child) is not torch.nn.Linear or child.in_features % (64 if fmt == "w8a8" else BLOCK):
                 continue
             f = head_format(fmt) if child is head else fmt
             setattr(parent, name, LowBitLinear.from_linear(child, f, kernel))
