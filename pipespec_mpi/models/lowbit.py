@@ -196,7 +196,7 @@ static torch::Tensor prepare(torch::Tensor& x, int64_t K, int64_t N) {
 // to int8 (scale sx = absmax / 127, round to nearest even), dot products in int32 (exact: the
 // order does not matter), y = (acc - 128 * cs[n]) * (sx[m] * sw[n]). With AVX512-VNNI the
 // activations are offset to unsigned (xq + 128) for vpdpbusd, 64 multiply-adds per instruction;
-// elsewhere a scalar loop computes the same integers, so every build gives bitwise the same y.
+// the AVX2 build computes the same integers with vpmaddwd, so every build gives bitwise the same y.
 static void quantize_rows(const float* X, int64_t M, int64_t K, uint8_t* XU, float* SX) {
   for (int64_t m = 0; m < M; ++m) {
     const float* x = X + m * K;
@@ -284,13 +284,25 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor sw, to
     }
   });
 #else
+  // AVX2: u8 and s8 widened to 16 bits, vpmaddwd sums pairs of products into 32 bits (exact:
+  // |255 * 127 * 2| < 2^31), the same integers as vpdpbusd.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* w = W + n * K;
       for (int64_t m = 0; m < M; ++m) {
-        int32_t a = 0;
-        for (int64_t k = 0; k < K; ++k) a += (int32_t)xu[m * K + k] * (int32_t)W[n * K + k];
-        acc[m * N + n] = a;
+        const uint8_t* x = xu.data() + m * K;
+        __m256i a = _mm256_setzero_si256();
+        for (int64_t k = 0; k < K; k += 16) {
+          __m256i x16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(x + k)));
+          __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k)));
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(x16, w16));
+        }
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+        s = _mm_hadd_epi32(s, s);
+        s = _mm_hadd_epi32(s, s);
+        acc[m * N + n] = _mm_cvtsi128_si32(s);
       }
+    }
   });
 #endif
   const float* SW = sw.data_ptr<float>();
@@ -356,7 +368,7 @@ def extension(isa: str | None = None):
     add (the float32 order gguf-py uses), never a fused multiply-add."""
     isa = isa or cpu_isa()
     flags: tuple[str, ...] = ("-ffp-contract=off",)
-    name = "pipespec_lowbit_linear_v3"
+    name = "pipespec_lowbit_linear_v4"
     if isa == "avx512" and "avx512_vnni" in cpu_flags():  # w8a8's integer dot products
         flags, name = (*flags, "-mavx512bw", "-mavx512vnni"), name + "_vnni"
     return build(name, _CPP, _FUNCTIONS, isa, flags)
