@@ -96,7 +96,7 @@ class StageConfig:
     layers: int | None = None
     noise: float = 0.0
     copy_of: int | None = None
-    weights: str = "q4"  # lowbit_copy: the stored weight format (WEIGHT_FORMATS)
+    weights: str = "int8"  # lowbit_copy: the stored format (WEIGHT_FORMATS); int8 by measurement
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     ngram: int = 3
     max_proposal: int = 8
