@@ -154,3 +154,24 @@ def test_w8a8_copy_keeps_layers_it_cannot_take_and_stays_close():
     with torch.inference_mode():
         got, want = low(input_ids=ids).logits, model(input_ids=ids).logits
     assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_loader_builds_a_lowbit_copy_that_tracks_its_source(fmt):
+    """kind=lowbit_copy through the loader: a CPU scorer over the source's weights in ``fmt``
+    whose greedy choices follow the source's on a prompt."""
+    from pipespec_mpi.models.loader import load_stage
+
+    cfg = compose_config(
+        ["hierarchy=tiny", "hierarchy.stages.2.dtype=float32", "hierarchy.stages.0.kind=lowbit_copy",
+         "hierarchy.stages.0.copy_of=2", f"hierarchy.stages.0.weights={fmt}"]
+    )  # fmt: skip
+    copy_, target = load_stage(cfg.hierarchy, 0, []), load_stage(cfg.hierarchy, 2, [])
+    assert any(isinstance(m, LowBitLinear) for m in copy_.model.modules())
+    prompt = list(range(40, 80))
+    for m in (copy_, target):
+        m.prefill(prompt, room=8)
+    a, b = copy_.logits(prompt, [5, 6, 7]), target.logits(prompt, [5, 6, 7])
+    assert a.shape == b.shape
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.5
+    torch.testing.assert_close(a, b, rtol=0.1, atol=0.1 * b.abs().max().item())
