@@ -387,6 +387,93 @@ class LeanLlama:
             h = h[:, -keep:, :]
         return self.lm_head(h)
 
+    @torch.inference_mode()
+    def forward_batch(self, tokens: list[list[int]], caches: list[Cache]) -> torch.Tensor:
+        """Logits [B, V] of the last token of each of B sequences, each ``tokens[b]`` appended to
+        its own ``caches[b]``: the linear layers, norms and MLP run once over all the rows
+        ([1, sum T_b, H]), RoPE per row at its own position, attention per sequence over its own
+        cache. Every row's logits are bitwise those of ``forward`` on that sequence alone when
+        the rows fit the flat kernel (sum T_b <= 16: its outputs do not depend on the row count;
+        norms and element-wise ops are per row). Causal attention within a sequence's new
+        tokens is as in ``forward`` (no mask for one token)."""
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError("lean forward_batch: one cache per sequence, at least one sequence")
+        if not self._table:
+            raise ValueError("lean forward_batch: needs the cos/sin table")
+        if self.groups > 1 and self.impl == "sdpa":
+            raise ValueError("lean forward_batch: grouped-query attention needs sdpa_gqa")
+        for c in caches:
+            if c is not self._cache_ok:
+                self._check_cache(c)
+        lens = [len(t) for t in tokens]
+        pasts = [c.layers[0].get_seq_length() for c in caches]
+        top = max(p + n for p, n in zip(pasts, lens, strict=True))
+        if top > self._cap:
+            self._grow(top)
+        rows = sum(lens)
+        ids = torch.tensor([[t for seq in tokens for t in seq]], dtype=torch.long, device=self.device)
+        pos = torch.cat([self._ar[p : p + n] for p, n in zip(pasts, lens, strict=True)])  # [R]
+        cos = self._cos[pos].unsqueeze(0).unsqueeze(1)  # [1, 1, R, D]
+        sin_s = self._sin_s[pos].unsqueeze(0).unsqueeze(1)
+        bounds = [0]
+        for n in lens:
+            bounds.append(bounds[-1] + n)
+        hd, scaling, head_split = self.head_dim, self.scaling, self.head_split
+        fused = rows <= self.fuse_rows
+        sdpa = F.scaled_dot_product_attention
+        gqa = {"enable_gqa": True} if self.groups > 1 else {}
+        masks = []
+        for p, n in zip(pasts, lens, strict=True):
+            if n == 1 or p == 0:
+                masks.append(None)
+            else:
+                m = self._ar[: p + n][None, None, None, :] <= self._ar[p : p + n][None, None, :, None]
+                masks.append(torch.where(m, 0.0, torch.scalar_tensor(float("-inf"), dtype=self.dtype)))
+
+        h = self.embed(ids)  # [1, R, H]
+        for lay in self.layers:
+            residual = h
+            x = _rms_norm(h, lay.ln1_w, lay.ln1_eps)
+            if fused and lay.qkv is not None:
+                q, k, v = lay.qkv(x).view(1, rows, -1, hd).transpose(1, 2).split(head_split, 1)
+            else:
+                q = lay.q(x).view(1, rows, -1, hd).transpose(1, 2)
+                k = lay.k(x).view(1, rows, -1, hd).transpose(1, 2)
+                v = lay.v(x).view(1, rows, -1, hd).transpose(1, 2)
+            q = _rotate(q, cos, sin_s)
+            k = _rotate(k, cos, sin_s)
+            outs = []
+            for b, cache in enumerate(caches):
+                lo, hi = bounds[b], bounds[b + 1]
+                kb, vb = cache.layers[lay.idx].update(k[:, :, lo:hi], v[:, :, lo:hi])
+                n = hi - lo
+                causal = n > 1 and masks[b] is None
+                if causal and kb.shape[2] > n:
+                    kb, vb = kb[:, :, :n], vb[:, :, :n]
+                a = sdpa(q[:, :, lo:hi], kb, vb, attn_mask=masks[b], dropout_p=0.0, scale=scaling,
+                         is_causal=causal, **gqa)  # fmt: skip
+                outs.append(a.transpose(1, 2).reshape(1, n, -1))
+            a = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+            h = residual + lay.o(a)
+
+            residual = h
+            x = _rms_norm(h, lay.ln2_w, lay.ln2_eps)
+            if fused and lay.gate_up is not None:
+                gu = lay.gate_up(x)
+                n = gu.shape[-1] // 2
+                gate, up = gu[..., :n].contiguous(), gu[..., n:]
+            else:
+                gate, up = lay.gate(x), lay.up(x)
+            if gate.shape[-1] % 64 == 0:  # each row starts on a vector boundary: one call
+                act = lay.act(gate)
+            else:  # the activation's vector/scalar split must fall as in each sequence's forward
+                act = torch.cat([lay.act(gate[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])], dim=1)
+            h = residual + lay.down(act * up)
+
+        h = _rms_norm(h, self.norm_w, self.norm_eps)
+        last = torch.tensor([e - 1 for e in bounds[1:]], device=self.device)
+        return self.lm_head(h[:, last, :])[0]  # [B, V]
+
 
 def _signature(model: torch.nn.Module) -> tuple:
     """What a built lean forward depends on: the attention choice, the module objects and where

@@ -257,3 +257,26 @@ def test_unsupported_models_keep_transformers_forward(caplog):
     assert scorer._lean is None and "q: transformers forward (model_type 'qwen2' is not llama)" in caplog.text
     scorer.prefill([1, 2, 3, 4], room=4)
     assert scorer.logits([1, 2, 3, 4], [5, 6]).shape == (3, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("base", list(BASES))
+def test_forward_batch_rows_equal_each_sequence_alone(base):
+    """B sequences at different positions in one forward (linears over all rows, attention per
+    sequence): each row's logits are bitwise those of the sequence's own forward, for one-token
+    steps and short verifications (all rows within the flat kernel's 16)."""
+    model = model_for(base, flat=True)
+    lean, _ = build_lean(model)
+    assert lean is not None
+    prompts = [[(5 * i + b) % 250 for i in range(n)] for b, n in enumerate((9, 23, 4, 15))]
+    solo = [preallocated_cache(model.config, 64) for _ in prompts]
+    both = [preallocated_cache(model.config, 64) for _ in prompts]
+    for p, c1, c2 in zip(prompts, solo, both, strict=True):
+        lean.forward(torch.tensor([p]), c1, 1)
+        lean.forward(torch.tensor([p]), c2, 1)
+    for step in ([[1], [2], [3], [4]], [[5, 6], [7], [8, 9, 10], [11]], [[12], [13], [14], [15]]):
+        batch = lean.forward_batch(step, both)  # [B, V]
+        for b, toks in enumerate(step):
+            alone = lean.forward(torch.tensor([toks]), solo[b], 1)[0, -1]
+            assert torch.equal(batch[b], alone), (base, step, b)
+    assert [c.get_seq_length() for c in both] == [c.get_seq_length() for c in solo]
