@@ -182,10 +182,13 @@ SBATCH = ["--time=5", "--signal=B:USR2@30"]
 # A job with USR2 110 s before its limit, whose limit the test brings to 60-120 s away once it is
 # decoding (scontrol update TimeLimit): Slurm's own time-limit signal then comes within ~40 s
 # (it checks every 30 s), mid-run whatever the machine's speed. It stops, requeues (Slurm holds a
-# requeued job for two minutes) and resumes.
+# requeued job for two minutes) and resumes. 500 prompts: ~3 min of decoding with the lean
+# forward on a 2-core EPYC (200 prompts, 87 s, once finished before the signal came).
+WALLTIME_PROMPTS = 500
 WALLTIME_APP = [
-    "hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=200", "decode.max_new_tokens=128",
-    "run.mode=benchmark", "run.methods=[ar,pipespec]", "run.progress=false", "run.stall_timeout_s=60",
+    "hierarchy=tiny", "dataset=synthetic", f"dataset.n_prompts={WALLTIME_PROMPTS}",
+    "decode.max_new_tokens=128", "run.mode=benchmark", "run.methods=[ar,pipespec]",
+    "run.progress=false", "run.stall_timeout_s=60",
 ]  # fmt: skip
 WAIT_S = 240  # per job; they run side by side, typically all done within 60-100 s
 SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
@@ -448,7 +451,7 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(
     results = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
     counted = [r for r in results if not r["warmup"]]
     keys = [(r["prompt_id"], r["method"]) for r in counted]
-    assert len(keys) == len(set(keys)) == 2 * 200, len(keys)  # every prompt once per method
+    assert len(keys) == len(set(keys)) == 2 * WALLTIME_PROMPTS, len(keys)  # every prompt once per method
     by = {k: r["output_ids"] for k, r in zip(keys, counted)}
     for pid, method in keys:
         assert len(by[(pid, method)]) == 128
