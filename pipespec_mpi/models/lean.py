@@ -94,6 +94,33 @@ class _Layer:
         self.gate, self.up, self.down = (_forward_of(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         self.act = _activation(mlp.act_fn)
 
+    def qkv_heads(
+        self, x: torch.Tensor, fused: bool, shape: tuple[int, ...], split: tuple[int, int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [1, heads, T, D] views of the projections of ``x`` [1, T, H] (one fused call
+        where allowed: the same views as per part)."""
+        if fused and self.qkv is not None:
+            q, k, v = self.qkv(x).view(shape).transpose(1, 2).split(split, 1)
+            return q, k, v
+        return tuple(f(x).view(shape).transpose(1, 2) for f in (self.q, self.k, self.v))
+
+    def mlp(self, x: torch.Tensor, fused: bool, bounds: list[int] | None = None) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)) as LlamaMLP computes it. ``bounds``: the row ranges of the
+        sequences sharing ``x``, where the activation must run per sequence (see forward_batch)."""
+        if fused and self.gate_up is not None:
+            gu = self.gate_up(x)
+            n = gu.shape[-1] // 2
+            # contiguous: the activation's vectorised/scalar split then falls on the same
+            # elements as for the separate gate output (SiLU's two paths differ in the last bit)
+            gate, up = gu[..., :n].contiguous(), gu[..., n:]
+        else:
+            gate, up = self.gate(x), self.up(x)
+        if bounds is None or gate.shape[-1] % 64 == 0:  # rows start on a vector boundary: one call
+            act = self.act(gate)
+        else:  # the vector/scalar split must fall as in each sequence's own forward
+            act = torch.cat([self.act(gate[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])], dim=1)
+        return self.down(act * up)
+
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary)."""
@@ -331,12 +358,7 @@ class LeanLlama:
         for lay in self.layers:
             residual = h
             x = _rms_norm(h, lay.ln1_w, lay.ln1_eps)
-            if fused and lay.qkv is not None:  # [1, H_q + 2 H_kv, T, D]: the same views as per part
-                q, k, v = lay.qkv(x).view(hidden_shape).transpose(1, 2).split(head_split, 1)
-            else:
-                q = lay.q(x).view(hidden_shape).transpose(1, 2)
-                k = lay.k(x).view(hidden_shape).transpose(1, 2)
-                v = lay.v(x).view(hidden_shape).transpose(1, 2)
+            q, k, v = lay.qkv_heads(x, fused, hidden_shape, head_split)
             q = _rotate(q, cos, sin_s)
             cl = cache_layers[lay.idx]
             if type(cl) is PreallocatedLayer:  # the rotated keys go straight into the buffer
@@ -372,15 +394,7 @@ class LeanLlama:
 
             residual = h
             x = _rms_norm(h, lay.ln2_w, lay.ln2_eps)
-            if fused and lay.gate_up is not None:
-                gu = lay.gate_up(x)
-                n = gu.shape[-1] // 2
-                # contiguous: the activation's vectorised/scalar split then falls on the same
-                # elements as for the separate gate output (SiLU's two paths differ in the last bit)
-                gate, up = gu[..., :n].contiguous(), gu[..., n:]
-            else:
-                gate, up = lay.gate(x), lay.up(x)
-            h = residual + lay.down(lay.act(gate) * up)
+            h = residual + lay.mlp(x, fused)
 
         h = _rms_norm(h, self.norm_w, self.norm_eps)
         if keep > 0:
@@ -434,12 +448,7 @@ class LeanLlama:
         for lay in self.layers:
             residual = h
             x = _rms_norm(h, lay.ln1_w, lay.ln1_eps)
-            if fused and lay.qkv is not None:
-                q, k, v = lay.qkv(x).view(1, rows, -1, hd).transpose(1, 2).split(head_split, 1)
-            else:
-                q = lay.q(x).view(1, rows, -1, hd).transpose(1, 2)
-                k = lay.k(x).view(1, rows, -1, hd).transpose(1, 2)
-                v = lay.v(x).view(1, rows, -1, hd).transpose(1, 2)
+            q, k, v = lay.qkv_heads(x, fused, (1, rows, -1, hd), head_split)
             q = _rotate(q, cos, sin_s)
             k = _rotate(k, cos, sin_s)
             outs = []
@@ -458,17 +467,7 @@ class LeanLlama:
 
             residual = h
             x = _rms_norm(h, lay.ln2_w, lay.ln2_eps)
-            if fused and lay.gate_up is not None:
-                gu = lay.gate_up(x)
-                n = gu.shape[-1] // 2
-                gate, up = gu[..., :n].contiguous(), gu[..., n:]
-            else:
-                gate, up = lay.gate(x), lay.up(x)
-            if gate.shape[-1] % 64 == 0:  # each row starts on a vector boundary: one call
-                act = lay.act(gate)
-            else:  # the activation's vector/scalar split must fall as in each sequence's forward
-                act = torch.cat([lay.act(gate[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])], dim=1)
-            h = residual + lay.down(act * up)
+            h = residual + lay.mlp(x, fused, bounds)
 
         h = _rms_norm(h, self.norm_w, self.norm_eps)
         last = torch.tensor([e - 1 for e in bounds[1:]], device=self.device)
