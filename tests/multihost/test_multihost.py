@@ -121,7 +121,11 @@ def test_every_stage_on_its_own_host_with_leviathan_sampling(bed, tmp_path):
         tmp_path,
     )  # fmt: skip
     assert {tuple(r["hosts"]) for r in recs} == {("pstest-h0", "pstest-h1", "pstest-h2")}
-    assert all(r["n_new_tokens"] == 24 and r["epochs_window"] == "push" for r in recs)
+    assert all(r["epochs_window"] == "push" for r in recs)
+    # Sampled outputs depend on when each stage draws, so a sequence may sample EOS (id 257 of
+    # the tiny vocabulary, about 1 run in 2 here): it ends early, and only then.
+    for r in recs:
+        assert (r["finish_reason"], r["n_new_tokens"] == 24) in {("length", True), ("eos", False)}, r
 
 
 def test_replicas_on_different_hosts_share_the_prompts(bed, tmp_path):
