@@ -118,9 +118,16 @@ class Sender:
     and ``_done``; ``open_sender`` builds the transport's class."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        self.comm, self.device = comm, device  # what a transport needs of them
+        self.comm, self.device, self.tag = comm, device, tag  # what a transport needs of them
         self.peer, self.depth = peer, depth
         self.width, self.dist_width = max_msg_tokens, dist_width
         self.ring = _SendRing(depth, buffer_words(max_msg_tokens, dist_width), self._new_buffer, self._done)
@@ -180,7 +187,7 @@ class MpiSender(Sender):
         return self.ring.bufs[i]
 
     def _start(self, i: int, words: int) -> tuple[object, int]:
-        return self.comm.Isend(self.ring.bufs[i][:words], dest=self.peer, tag=TAG), words
+        return self.comm.Isend(self.ring.bufs[i][:words], dest=self.peer, tag=self.tag), words
 
     def _done(self, req) -> bool:
         return req.Test()
@@ -198,7 +205,7 @@ class _TorchSender(Sender):
         import torch.distributed as dist
 
         buf = self.ring.bufs[i]
-        return dist.isend(buf, dst=self.peer, tag=TAG), buf.numel()
+        return dist.isend(buf, dst=self.peer, tag=self.tag), buf.numel()
 
 
 class GlooSender(_TorchSender):
@@ -206,9 +213,16 @@ class GlooSender(_TorchSender):
     peer always keeps receives posted, so that wait is short (the data is handed to the socket)."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width)  # always CPU tensors
+        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width, tag)  # always CPU tensors
 
     def _host(self, i: int) -> np.ndarray:
         return self.ring.bufs[i].numpy()  # shares the tensor's memory
@@ -230,9 +244,16 @@ class NcclSender(_TorchSender):
     (synchronously, so the host buffer is free again at once); sends polled with is_completed."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width)
+        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width, tag)
         self.host = np.zeros(buffer_words(max_msg_tokens, dist_width), dtype=np.int64)
 
     def _host(self, i: int) -> np.ndarray:
@@ -258,9 +279,16 @@ class Receiver:
     the transport's class."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        self.comm, self.device = comm, device  # what a transport needs of them
+        self.comm, self.device, self.tag = comm, device, tag  # what a transport needs of them
         self.peer, self.depth = peer, depth
         self.width, self.dist_width = max_msg_tokens, dist_width
         self.words = buffer_words(max_msg_tokens, dist_width)
@@ -288,9 +316,16 @@ class _PolledReceiver(Receiver):
     ``_new_buffer``, ``_post``, ``_done`` and ``_host``."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width)
+        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width, tag)
         self.bufs = [self._new_buffer(self.words) for _ in range(depth)]
         self.posted: deque = deque((i, self._post(i)) for i in range(depth))
 
@@ -333,7 +368,7 @@ class MpiReceiver(_PolledReceiver):
         return np.zeros(words, dtype=np.int64)
 
     def _post(self, i: int):
-        return self.comm.Irecv(self.bufs[i], source=self.peer, tag=TAG)
+        return self.comm.Irecv(self.bufs[i], source=self.peer, tag=self.tag)
 
     def _done(self, req) -> bool:
         return req.Test()
@@ -346,9 +381,16 @@ class NcclReceiver(_PolledReceiver):
     """torch.distributed irecv into device tensors, polled with is_completed."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width)
+        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width, tag)
 
     def _new_buffer(self, words: int):
         import torch
@@ -358,7 +400,7 @@ class NcclReceiver(_PolledReceiver):
     def _post(self, i: int):
         import torch.distributed as dist
 
-        return dist.irecv(self.bufs[i], src=self.peer, tag=TAG)
+        return dist.irecv(self.bufs[i], src=self.peer, tag=self.tag)
 
     def _done(self, req) -> bool:
         return req.is_completed()
@@ -373,11 +415,18 @@ class GlooReceiver(Receiver):
     spinning) and queues what arrives; ``poll`` drains the queue."""
 
     def __init__(
-        self, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+        self,
+        comm,
+        peer: int,
+        depth: int,
+        max_msg_tokens: int,
+        device=None,
+        dist_width: int = 0,
+        tag: int = TAG,
     ) -> None:
         import torch
 
-        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width)  # always CPU tensors
+        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width, tag)  # always CPU tensors
         self.queue: queue.Queue = queue.Queue()
         self.bufs = [torch.zeros(self.words, dtype=torch.int64) for _ in range(depth)]
         self.error: BaseException | None = None
@@ -389,14 +438,16 @@ class GlooReceiver(Receiver):
 
         # depth receives posted ahead, each waited on once, in order; ends after depth closes
         try:
-            works = deque((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)) for i in range(self.depth))
+            works = deque(
+                (i, dist.irecv(self.bufs[i], src=self.peer, tag=self.tag)) for i in range(self.depth)
+            )
             while works:
                 i, w = works.popleft()
                 w.wait()
                 msg = self._decode(self.bufs[i].numpy())
                 self.queue.put(msg)
                 if msg is not None:
-                    works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=TAG)))
+                    works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=self.tag)))
         except BaseException as err:  # surfaced on the main thread by poll()
             self.error = err
             self.queue.put(None)
@@ -436,14 +487,30 @@ def _transport_class(table: dict, transport: str) -> type:
 
 
 def open_sender(
-    transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    transport: str,
+    comm,
+    peer: int,
+    depth: int,
+    max_msg_tokens: int,
+    device=None,
+    dist_width: int = 0,
+    tag: int = TAG,
 ) -> Sender:
-    """The sending side of a link to ``peer`` over ``transport`` (mpi, gloo, nccl)."""
-    return _transport_class(SENDERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width)
+    """The sending side of a link to ``peer`` over ``transport`` (mpi, gloo, nccl); links of one
+    pair of ranks are told apart by ``tag`` (mpi, gloo: batched decoding's slots)."""
+    return _transport_class(SENDERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width, tag)
 
 
 def open_receiver(
-    transport: str, comm, peer: int, depth: int, max_msg_tokens: int, device=None, dist_width: int = 0
+    transport: str,
+    comm,
+    peer: int,
+    depth: int,
+    max_msg_tokens: int,
+    device=None,
+    dist_width: int = 0,
+    tag: int = TAG,
 ) -> Receiver:
-    """The receiving side of a link from ``peer`` over ``transport`` (mpi, gloo, nccl)."""
-    return _transport_class(RECEIVERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width)
+    """The receiving side of a link from ``peer`` over ``transport`` (mpi, gloo, nccl), for
+    messages sent with ``tag``."""
+    return _transport_class(RECEIVERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width, tag)

@@ -3,6 +3,7 @@ computes with, ``Scorer`` and ``Proposer``, are in stage/ports.py)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Sequence
 
@@ -63,12 +64,71 @@ class KVScorer:
         return logits[0]  # [keep, V]
 
     def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
-        if self._len >= len(seq):
-            raise RuntimeError(f"{self.name}: cache holds {self._len} >= {len(seq)} positions")
-        new = list(seq[self._len :]) + list(proposal)
+        new = self._new_tokens(seq, proposal)
         return self._forward(new, keep=len(proposal) + 1).float()
 
     def truncate(self, length: int) -> None:
         if self._len > length:
             self._cache.crop(length - self._len)  # transformers 5: negative = tokens to remove
             self._len = length
+
+    def for_slot(self) -> KVScorer:
+        """Another sequence on the same weights (a slot of batched decoding): shares this
+        scorer's model and lean forward, owns its KV cache."""
+        other = copy.copy(self)
+        other._cache = preallocated_cache(self.model.config, 1)
+        other._len = 0
+        return other
+
+    def _new_tokens(self, seq: Sequence[int], proposal: Sequence[int]) -> list[int]:
+        if self._len >= len(seq):
+            raise RuntimeError(f"{self.name}: cache holds {self._len} >= {len(seq)} positions")
+        return list(seq[self._len :]) + list(proposal)
+
+
+Request = tuple[object, Sequence[int], Sequence[int]]  # (scorer, seq, proposal) as in Scorer.logits
+
+
+def score_batch(requests: Sequence[Request]) -> list[torch.Tensor]:
+    """``scorer.logits(seq, proposal)`` for every request, each [len(proposal)+1, V] float32.
+
+    Requests whose scorers are slots of one ``KVScorer`` with a lean forward run as batched
+    forwards (``LeanLlama.forward_batch``: the weights are read once for all rows), packed in
+    order into groups of at most ``LeanLlama.fuse_rows`` (16) new tokens, the flat kernel's
+    rows, so that every row is bitwise its sequence's own forward (greedy stays lossless). Other
+    requests (other scorers, a longer catch-up forward) run one forward each.
+    """
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    group: list[tuple[int, KVScorer, list[int], int]] = []  # (index, scorer, new tokens, keep)
+
+    def flush() -> None:
+        if not group:
+            return
+        if len(group) == 1:
+            i, sc, new, keep = group[0]
+            out[i] = sc._forward(new, keep).float()
+        else:
+            lean = group[0][1]._lean
+            logits = lean.forward_batch(
+                [g[2] for g in group], [g[1]._cache for g in group], [g[3] for g in group]
+            )
+            start = 0
+            for i, sc, new, keep in group:
+                sc._len += len(new)
+                out[i] = logits[start : start + keep].float()
+                start += keep
+        group.clear()
+
+    for i, (sc, seq, proposal) in enumerate(requests):
+        lean = getattr(sc, "_lean", None)
+        batchable = isinstance(sc, KVScorer) and lean is not None and lean.batchable
+        new = sc._new_tokens(seq, proposal) if batchable else []
+        if not batchable or len(new) > lean.fuse_rows:
+            out[i] = sc.logits(seq, proposal)
+            continue
+        rows = sum(len(g[2]) for g in group) + len(new)
+        if group and (group[0][1]._lean is not lean or rows > lean.fuse_rows):
+            flush()
+        group.append((i, sc, new, len(proposal) + 1))
+    flush()
+    return out  # type: ignore[return-value]

@@ -260,6 +260,11 @@ class LeanLlama:
         self._table = True  # False: cos/sin come from the rotary module at every forward
         self._grow(_TABLE_START)
 
+    @property
+    def batchable(self) -> bool:
+        """``forward_batch`` runs here (it needs the cos/sin table, and sdpa_gqa for grouped heads)."""
+        return self._table and not (self.groups > 1 and self.impl == "sdpa")
+
     # ---- positions: indices, cos/sin table --------------------------------------------------
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,14 +407,17 @@ class LeanLlama:
         return self.lm_head(h)
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: list[list[int]], caches: list[Cache]) -> torch.Tensor:
-        """Logits [B, V] of the last token of each of B sequences, each ``tokens[b]`` appended to
-        its own ``caches[b]``: the linear layers, norms and MLP run once over all the rows
-        ([1, sum T_b, H]), RoPE per row at its own position, attention per sequence over its own
-        cache. Every row's logits are bitwise those of ``forward`` on that sequence alone when
-        the rows fit the flat kernel (sum T_b <= 16: its outputs do not depend on the row count;
-        norms and element-wise ops are per row). Causal attention within a sequence's new
-        tokens is as in ``forward`` (no mask for one token)."""
+    def forward_batch(
+        self, tokens: list[list[int]], caches: list[Cache], keeps: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits of B sequences, each ``tokens[b]`` appended to its own ``caches[b]``: [B, V]
+        for the last token of each, or with ``keeps`` the last ``keeps[b]`` positions of every
+        sequence stacked in order ([sum keeps, V]). The linear layers, norms and MLP run once
+        over all the rows ([1, sum T_b, H]), RoPE per row at its own position, attention per
+        sequence over its own cache. Every row's logits are bitwise those of ``forward`` on that
+        sequence alone when the rows fit the flat kernel (sum T_b <= 16: its outputs do not
+        depend on the row count; norms and element-wise ops are per row). Causal attention
+        within a sequence's new tokens is as in ``forward`` (no mask for one token)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError("lean forward_batch: one cache per sequence, at least one sequence")
         if not self._table:
@@ -470,8 +478,14 @@ class LeanLlama:
             h = residual + lay.mlp(x, fused, bounds)
 
         h = _rms_norm(h, self.norm_w, self.norm_eps)
-        last = torch.tensor([e - 1 for e in bounds[1:]], device=self.device)
-        return self.lm_head(h[:, last, :])[0]  # [B, V]
+        if keeps is None:
+            keeps = [1] * len(tokens)
+        if any(not 1 <= k <= n for k, n in zip(keeps, lens, strict=True)):
+            raise ValueError(f"lean forward_batch: keeps {keeps} for {lens} new tokens")
+        last = torch.tensor(
+            [p for e, k in zip(bounds[1:], keeps) for p in range(e - k, e)], device=self.device
+        )
+        return self.lm_head(h[:, last, :])[0]  # [sum keeps, V]
 
 
 def _signature(model: torch.nn.Module) -> tuple:

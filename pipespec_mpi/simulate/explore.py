@@ -45,6 +45,7 @@ from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.speculative.sampling import Sampler, mix
 from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
+from pipespec_mpi.stage.batch import BatchedStage, ScoreBatch, score_alone
 from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
 from pipespec_mpi.stage.ports import Proposer, Scorer
 from pipespec_mpi.stage.process import StageProcess
@@ -52,7 +53,9 @@ from pipespec_mpi.stage.stats import StageOutcome
 
 METHODS = ("sd", "pipespec")
 RULES = ("greedy", "gumbel", "leviathan")
-FAMILIES = tuple(f"{m}-{r}" for m in METHODS for r in RULES)
+# "-batch": every stage decodes 2-4 sequences at once (slots, stage/batch.py), each over its own
+# window, links, gate and handoff, their forwards run together
+FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch") for m in METHODS for r in RULES)
 EOS = 0
 IDLE_TICKS = 40  # waiting steps in a row before the scheduler checks for a stall
 FAIR_ROUNDS = 3  # rounds of every stage with full information that must show some progress
@@ -87,6 +90,7 @@ class Scenario:
     # the replica's vote at the gate stops every stage before the first job any of them asks to.
     stop_before: int | None = None
     stop_lag: tuple[int, ...] = ()
+    slots: int = 1  # sequences in flight per stage (the "-batch" families: 2-4)
 
     @property
     def method(self) -> str:
@@ -145,6 +149,10 @@ class Scenario:
             gate_delay=rng.choice((0, 3, 30)),
             handoff_delay=rng.choice((0, 3, 30)),
         )
+        if family.endswith("-batch"):
+            b = random.Random(f"slots:{family}:{seed}")
+            slots = b.randint(2, 4)
+            sc = replace(sc, slots=slots, n_prompts=b.randint(slots, 2 * slots + 1))
         # drawn apart from the rest, so that every other field of a seed is what it was before
         stop = random.Random(f"stop:{family}:{seed}")
         if stop.random() < 0.25:
@@ -197,12 +205,14 @@ class ExJob:
 class Parts:
     """What the stages compute with, when not the scenario's oracle: a model per stage (a fresh
     one per call), the prompts (one job each) and EOS; ``wrap`` replaces every stage's verifier
-    (a broken one, for the tests that must catch it)."""
+    and ``score`` runs a batched stage's forwards (broken ones, for the tests that must catch
+    them; real models batched: tests/unit/test_batch.py)."""
 
     model: Callable[[int], Scorer | Proposer]
     prompts: list[list[int]]
     eos: int
     wrap: Callable[[Verifier], Verifier] | None = None
+    score: ScoreBatch = score_alone  # a batched stage's forwards (the "-batch" families)
 
 
 # ============================================================================ the explorer's ports
@@ -284,22 +294,24 @@ class ExReceiver:
 
 
 class ExGate:
-    """The start gate: passes once every stage opened it for this prompt, after a delay per stage
-    (the order in which stages leave a barrier is arbitrary); the vote to stop early is the OR of
-    the stages' requests when they opened it."""
+    """The start gate of one slot: passes once every stage opened it for this prompt, after a
+    delay per stage (the order in which stages leave a barrier is arbitrary); the vote to stop
+    early is the OR of the stages' requests when they opened it."""
 
     def __init__(self, world: World, me: int) -> None:
-        self.world, self.me = world, me
+        self.world, self.me = world, me  # me: the node, slot * k + stage
         self.seq = 0
         self.countdown: int | None = None
 
     def open(self, seq: int) -> None:
         w = self.world
+        k = w.sc.k
         self.seq, self.countdown = seq, None
         w.gate_arrived[self.me] = seq
-        if w.sc.stop_requested(self.me, seq):
+        if w.sc.stop_requested(self.me % k, seq):
             w.stop_votes.add(seq)
-        if all(s == seq for s in w.gate_arrived):
+        first = self.me - self.me % k
+        if all(s == seq for s in w.gate_arrived[first : first + k]):
             w.gate_complete.add(seq)
 
     def passed(self) -> bool:
@@ -321,19 +333,19 @@ class ExHandoff:
     """Outcomes to the leader (the last stage), taken after a delay; the explorer keeps them all."""
 
     def __init__(self, world: World, me: int) -> None:
-        self.world, self.me = world, me
+        self.world, self.stage = world, me % world.sc.k  # me: the node, slot * k + stage
         self.seq = 0
         self.countdown = 0
 
     def post(self, job: ExJob, outcome: StageOutcome) -> None:
         w = self.world
         self.seq = job.seq
-        w.outcomes[(job.seq, self.me)] = outcome
+        w.outcomes[(job.seq, self.stage)] = outcome
         self.countdown = w.rng.randint(0, w.sc.handoff_delay)
 
     def delivered(self) -> bool:
         w = self.world
-        if self.me == w.sc.k - 1 and any((self.seq, s) not in w.outcomes for s in range(w.sc.k)):
+        if self.stage == w.sc.k - 1 and any((self.seq, s) not in w.outcomes for s in range(w.sc.k)):
             return False
         if w.fair or self.countdown <= 0:
             return True
@@ -379,7 +391,9 @@ def stage_counter_problems(outcome: StageOutcome, stage: int, k: int, lookup: bo
 
 
 class World:
-    """One replica of k stages under one scenario's schedule."""
+    """One replica of k stages under one scenario's schedule. With ``slots`` > 1 each stage is a
+    ``BatchedStage`` over that many ``StageProcess``es; slot s decodes every slots-th job, over
+    its own window headers, links, gate and handoff (node s * k + i for stage i)."""
 
     def __init__(self, sc: Scenario, parts: Parts | None = None, max_ticks: int | None = None) -> None:
         self.sc = sc
@@ -388,13 +402,14 @@ class World:
         self.fair = False
         self.parts = parts or self._oracle_parts()
         self.eos = self.parts.eos
-        k = sc.k
+        k, b = sc.k, sc.slots
         self.versions: list[list[tuple[Header, tuple[int, ...]]]] = [
-            [(Header(-1, 0, 0, False, 0, False), ())] for _ in range(k)
+            [(Header(-1, 0, 0, False, 0, False), ())] for _ in range(b * k)
         ]
         self.seen: dict[tuple[int, int], int] = {}
-        self.links = [Link() for _ in range(k - 1)]
-        self.gate_arrived = [0] * k
+        # node n's link to n + 1 (a slot's last stage has none: its entry stays empty)
+        self.links = [Link() for _ in range(b * k - 1)]
+        self.gate_arrived = [0] * (b * k)
         self.gate_complete: set[int] = set()
         self.stop_votes: set[int] = set()
         self.outcomes: dict[tuple[int, int], StageOutcome] = {}
@@ -402,23 +417,29 @@ class World:
         n_tokens = len(self.jobs) * sc.decode.max_new_tokens
         self.max_ticks = max_ticks or 20_000 + 2_000 * k * n_tokens
         clock = TickClock(self)
-        self.procs = []
+        self.procs: list[StageProcess | BatchedStage] = []
+        self.slot_procs: list[StageProcess] = []  # every slot of every stage
         for i in range(k):
-            role = StageRole(i, k, i, i - 1 if i else None, i + 1 if i < k - 1 else None)
-            loop = StageLoop(
-                role, self.parts.model(i), ExWindow(self, i), ExSender(self, i) if i < k - 1 else None,
-                ExReceiver(self, i) if i else None, clock, sc.decode, self.eos, vocab=sc.vocab,
-                record_timeline=False,
-            )  # fmt: skip
-            self.procs.append(
-                StageProcess(
-                    loop,
-                    ExGate(self, i),
-                    ExHandoff(self, i),
-                    self.jobs,
-                    verifier_for=lambda job, i=i: self.verifier(job.seq, i),
+            slots = []
+            for s in range(b):
+                n = s * k + i
+                role = StageRole(i, k, n, n - 1 if i else None, n + 1 if i < k - 1 else None)
+                loop = StageLoop(
+                    role, self.parts.model(i), ExWindow(self, n), ExSender(self, n) if i < k - 1 else None,
+                    ExReceiver(self, n) if i else None, clock, sc.decode, self.eos, vocab=sc.vocab,
+                    record_timeline=False,
                 )  # fmt: skip
-            )
+                slots.append(
+                    StageProcess(
+                        loop,
+                        ExGate(self, n),
+                        ExHandoff(self, n),
+                        self.jobs[s::b],
+                        verifier_for=lambda job, i=i: self.verifier(job.seq, i),
+                    )  # fmt: skip
+                )
+            self.slot_procs += slots
+            self.procs.append(slots[0] if b == 1 else BatchedStage(slots, clock, self.parts.score))
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)
 
@@ -477,7 +498,7 @@ class World:
         return rng.choices(live, weights)[0]
 
     def _fingerprint(self) -> tuple:
-        return tuple((p.phase, p.index) for p in self.procs)
+        return tuple((p.phase, p.index) for p in self.slot_procs)
 
     def _fair_rounds(self, live: list[int]) -> bool:
         """Every stage with full information: some progress within a few rounds, or a stall."""
@@ -524,7 +545,7 @@ class World:
 
     def _state(self) -> str:
         parts = []
-        for p in self.procs:
+        for p in self.slot_procs:
             lp = p.loop
             extra = ""
             if p.phase == "decode":
@@ -542,7 +563,7 @@ class World:
         sc = self.sc
         problems: list[str] = []
         stop_at = min(self.stop_votes, default=len(self.jobs) + 1)
-        left = {p.jobs_left for p in self.procs}
+        left = {p.jobs_left for p in self.procs}  # a batched stage: the sum over its slots
         if left != {len(self.jobs) + 1 - stop_at}:
             problems.append(f"jobs left {sorted(left)} after a stop before job {stop_at}")
         for job in self.jobs:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.comm.window import Header
@@ -40,6 +41,16 @@ class Step(enum.Enum):
     PROGRESS = "progress"  # no forward, but something changed (tokens adopted or sent, proposals taken)
     WAITING = "waiting"  # nothing to do until a neighbour moves
     DONE = "done"  # this prompt is finished on this stage: call finish()
+
+
+@dataclass(frozen=True)
+class Forward:
+    """A forward a stage decided on: the logits after ``seq`` (prompt + committed tokens) and
+    each prefix of ``proposal`` ([len(proposal)+1, V]); ``act`` is DRAFT, OWN or VERIFY."""
+
+    act: Act
+    seq: list[int]
+    proposal: list[int]
 
 
 class ProtocolError(RuntimeError):
@@ -158,6 +169,20 @@ class StageLoop:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> Step:
+        """One iteration, its forward (if any) run alone."""
+        s = self.advance()
+        return self.run_forward(s) if isinstance(s, Forward) else s
+
+    def run_forward(self, fwd: Forward) -> Step:
+        """Run the forward ``advance`` asked for on this stage's model alone, then complete it."""
+        t0 = self.clock.now()
+        return self.complete(fwd, self.model.logits(fwd.seq, fwd.proposal), t0)
+
+    def advance(self) -> Step | Forward:
+        """One iteration up to its forward: a ``Step``, or the ``Forward`` this stage decided on,
+        which the driver runs (alone, or batched with other sequences' forwards on the same
+        weights) and hands to ``complete``. Nothing else happens in between, so a batched
+        iteration is the same iteration as ``step``'s."""
         if self.finish_reason is not None:
             return Step.DONE
         self.win.beat()
@@ -177,13 +202,32 @@ class StageLoop:
         d = self._decide()
         self.want, self.idle = d.want, d.idle
         t = self.clock.now()
-        acted = d.act is not Act.WAIT and self._act(d)
+        if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
+            self._close_wait(t)
+            proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
+            return Forward(d.act, self._full(), list(proposal))
+        acted = False
+        if d.act is Act.LOOKUP:
+            acted = self._lookup(d.n)
+            self.idle = not acted
         if not acted:
             changed |= self._publish_flags()
             if self.wait_t0 is None:
                 self.wait_t0 = t
             return Step.PROGRESS if changed else Step.WAITING
         self._close_wait(t)
+        return self._acted()
+
+    def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
+        """Finish the iteration ``advance`` stopped at, with the forward's ``logits``
+        ([len(fwd.proposal)+1, V]) and the time it started."""
+        if fwd.act is Act.VERIFY:
+            self._verify(fwd.proposal, logits, t0)
+        else:
+            self._step("draft" if fwd.act is Act.DRAFT else "own", logits, t0)
+        return self._acted()
+
+    def _acted(self) -> Step:
         self._publish()
         if self.sender is not None:
             self._send_owed()
@@ -202,23 +246,11 @@ class StageLoop:
             d = decide(replace(v, upstream_idle=True), self.cfg)
         return d
 
-    def _act(self, d: Decision) -> bool:
-        if d.act is Act.LOOKUP:
-            hit = self._lookup(d.n)
-            self.idle = not hit
-            return hit
-        if d.act is Act.VERIFY:
-            self._verify(d.n)
-        else:
-            self._step("draft" if d.act is Act.DRAFT else "own")
-        return True
-
     # ------------------------------------------------------------------ actions
-    def _step(self, kind: str) -> None:
+    def _step(self, kind: str, logits: torch.Tensor, t0: float) -> None:
         """One token of our own (draft step of the first stage, or a verifier's own step)."""
-        t0 = self.clock.now()
         n0 = len(self.out)
-        drawn = self.verifier.draw(self.model.logits(self._full(), []), n0)
+        drawn = self.verifier.draw(logits, n0)
         t1 = self.clock.now()
         self.stats.forward_calls += 1
         self._commit([drawn.token], t1 - t0, [drawn.dist])
@@ -243,13 +275,11 @@ class StageLoop:
         self._event(t0, t1, "draft", len(toks))
         return True
 
-    def _verify(self, n: int) -> None:
-        proposal = self.inbox.tokens[:n]
+    def _verify(self, proposal: list[int], logits: torch.Tensor, t0: float) -> None:
+        n = len(proposal)
         dists = self.inbox.rows[:n] if self.verifier.carries_dists else None
-        t0 = self.clock.now()
         n0 = len(self.out)
-        logits = self.model.logits(self._full(), proposal)  # [n+1, V]
-        checked = self.verifier.verify(proposal, dists, logits, n0)
+        checked = self.verifier.verify(proposal, dists, logits, n0)  # logits [n+1, V]
         t1 = self.clock.now()
         verdict = checked.verdict
         self.stats.forward_calls += 1

@@ -18,9 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import torch
+
 from pipespec_mpi.comm.wait import Backoff, StallError
 from pipespec_mpi.speculative.verifiers import Verifier
-from pipespec_mpi.stage.loop import StageLoop, Step
+from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.stats import StageOutcome
 
 
@@ -80,6 +82,13 @@ class StageProcess:
         return self.jobs[self.index] if 0 <= self.index < len(self.jobs) else None
 
     def step(self) -> Step:
+        """One step, its forward (if any) run alone."""
+        s = self.advance()
+        return self.loop.run_forward(s) if isinstance(s, Forward) else s
+
+    def advance(self) -> Step | Forward:
+        """One step up to the stage loop's forward (``StageLoop.advance``), which the driver runs
+        and hands to ``complete``."""
         if self.phase == "next":
             self.index += 1
             if self.index == len(self.jobs):
@@ -103,7 +112,7 @@ class StageProcess:
             self.phase = "decode"
             return Step.PROGRESS
         if self.phase == "decode":
-            s = self.loop.step()
+            s = self.loop.advance()
             if s is not Step.DONE:
                 return s
             self.handoff.post(self.job, self.loop.finish())
@@ -117,6 +126,9 @@ class StageProcess:
             self.phase = "next"
             return Step.PROGRESS
         return Step.DONE
+
+    def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
+        return self.loop.complete(fwd, logits, t0)
 
     def describe(self) -> str:
         r = self.loop.role

@@ -34,11 +34,11 @@ STOP = [("pipespec-greedy", 7, None), ("sd-greedy", 5, None), ("pipespec-leviath
 def without_resend(monkeypatch) -> None:
     """P1 back in: a stage sends what its downstream is owed only right after acting (or to finish
     a send that ran out of buffers); an epoch change alone does not make it send again."""
-    send, act = StageLoop._send_owed, StageLoop._act
+    send, acted = StageLoop._send_owed, StageLoop._acted
 
-    def act_then_send(self, d):
+    def act_then_send(self):
         self._after_act = True
-        return act(self, d)
+        return acted(self)
 
     def send_after_acting(self):
         if not (getattr(self, "_after_act", False) or getattr(self, "_partial", False)):
@@ -48,7 +48,7 @@ def without_resend(monkeypatch) -> None:
         self._partial = self.sent < len(self.out)
         return out
 
-    monkeypatch.setattr(StageLoop, "_act", act_then_send)
+    monkeypatch.setattr(StageLoop, "_acted", act_then_send)
     monkeypatch.setattr(StageLoop, "_send_owed", send_after_acting)
 
 

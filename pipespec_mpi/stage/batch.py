@@ -1,0 +1,82 @@
+"""Batched decoding on one stage: B sequences in flight (slots), their forwards run together.
+
+A slot is one ``StageProcess`` over its own jobs, with its own stage loop, KV cache, epochs
+header and proposal link (run/slots.py gives each slot its own window, tagged channels and
+communicators): per sequence, the protocol is exactly the one-sequence protocol the schedule
+explorer checks. What the slots share is the model: ``BatchedStage.step`` advances every live
+slot to its forward (``StageProcess.advance``), runs the forwards it collected as one batched
+call (``score``: models/base.py ``score_batch``, the weights read once for all rows) and hands
+each slot its logits (``complete``). A slot that waits (for its upstream, a gate, a handoff)
+costs the others nothing: it is simply not in the batch.
+
+Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` would make; only
+when it happens changes, which the protocol already tolerates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pipespec_mpi.stage.loop import Forward, Step
+from pipespec_mpi.stage.ports import Clock
+from pipespec_mpi.stage.process import StageProcess
+
+# (scorer, seq, proposal) per forward -> logits [len(proposal)+1, V] per forward
+ScoreBatch = Callable[[list[tuple[object, list[int], list[int]]]], list[torch.Tensor]]
+
+
+def score_alone(requests: list[tuple[object, list[int], list[int]]]) -> list[torch.Tensor]:
+    """One forward per request (models without a batched forward: oracles, lookups)."""
+    return [scorer.logits(seq, proposal) for scorer, seq, proposal in requests]
+
+
+class BatchedStage:
+    """One rank's stage over B slots; ``step()`` says DONE once every slot is done."""
+
+    def __init__(self, slots: Sequence[StageProcess], clock: Clock, score: ScoreBatch = score_alone) -> None:
+        if not slots:
+            raise ValueError("a batched stage needs at least one slot")
+        self.slots = list(slots)
+        self.clock, self.score = clock, score
+        self.done = [False] * len(self.slots)
+        self.batches = 0  # batched forwards run
+        self.rows = 0  # forwards in them
+
+    @property
+    def jobs_done(self) -> int:
+        return sum(p.jobs_done for p in self.slots)
+
+    @property
+    def jobs_left(self) -> int:
+        return sum(p.jobs_left for p in self.slots)
+
+    def step(self) -> Step:
+        forwards: list[tuple[StageProcess, Forward]] = []
+        moved = False
+        for i, slot in enumerate(self.slots):
+            if self.done[i]:
+                continue
+            s = slot.advance()
+            if isinstance(s, Forward):
+                forwards.append((slot, s))
+            elif s is Step.DONE:
+                self.done[i] = moved = True
+            elif s is not Step.WAITING:
+                moved = True
+        if forwards:
+            t0 = self.clock.now()
+            logits = self.score([(slot.loop.model, f.seq, f.proposal) for slot, f in forwards])
+            for (slot, f), rows in zip(forwards, logits, strict=True):
+                slot.complete(f, rows, t0)
+            self.batches += 1
+            self.rows += len(forwards)
+            return Step.ACTED
+        if all(self.done):
+            return Step.DONE
+        return Step.PROGRESS if moved else Step.WAITING
+
+    def describe(self) -> str:
+        live = [f"slot {i}: {p.describe()}" for i, p in enumerate(self.slots) if not self.done[i]]
+        return "; ".join(live) or "every slot done"

@@ -1,0 +1,129 @@
+"""Batched decoding (stage/batch.py, models/base.py ``score_batch``): B sequences per stage, their
+forwards run together. The per-sequence protocol is the explored one; these tests check what
+batching adds: each slot gets its own logits (bitwise its own forward on the float32 flat-kernel
+models), slots never mix, and the real models stay lossless under the explorer's schedules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_lean import BASES, model_for, needs_kernel
+from test_sampling_power import tiny_parts
+
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.models.base import KVScorer, score_batch
+from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore
+from pipespec_mpi.stage.batch import BatchedStage, score_alone
+
+BATCH = [f for f in FAMILIES if f.endswith("-batch")]
+
+
+# ------------------------------------------------------------------------------ score_batch
+def _scorers(base: str, n: int) -> tuple[list[KVScorer], list[KVScorer]]:
+    """n scorers decoding alone, and n slots of one batched scorer, on the same weights."""
+    model = model_for(base, flat=True)
+    alone = [KVScorer(f"alone{i}", model, torch.device("cpu")) for i in range(n)]
+    first = KVScorer("batched", model, torch.device("cpu"))
+    return alone, [first] + [first.for_slot() for _ in range(n - 1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("base", list(BASES))
+def test_score_batch_gives_every_slot_bitwise_its_own_forward(base):
+    """Four sequences at different lengths, steps and verifications of every size mixed, more
+    rows than one batched forward takes (packed into groups of at most 16): every slot's logits
+    are bitwise those of the same calls on the sequence alone, and its cache ends where it would."""
+    alone, slots = _scorers(base, 4)
+    assert all(s._lean is slots[0]._lean and s._cache is not slots[0]._cache for s in slots[1:])
+    prompts = [[(5 * i + b) % 250 for i in range(n)] for b, n in enumerate((9, 23, 4, 15))]
+    seqs = [list(p) for p in prompts]
+    for a, s, p in zip(alone, slots, prompts, strict=True):
+        a.prefill(p, room=64)
+        s.prefill(p, room=64)
+    rounds = [
+        [[], [1], [], [2, 3]],
+        [[4, 5, 6, 7, 8, 9, 10, 11], [], [12], [13, 14, 15, 16, 17, 18]],
+        [[20], [21], [22], [23]],
+        [[30, 31, 32, 33, 34, 35, 36, 37, 38], [39] * 8, [], [40]],
+    ]
+    for props in rounds:
+        got = score_batch([(s, q, pr) for s, q, pr in zip(slots, seqs, props, strict=True)])
+        for b, pr in enumerate(props):
+            assert torch.equal(got[b], alone[b].logits(seqs[b], pr)), (base, b, pr)
+            seqs[b].append(int(got[b][-1].argmax()))  # the next round's sequence: its bonus token
+            for sc in (slots[b], alone[b]):
+                sc.truncate(len(seqs[b]) - 1)
+            assert slots[b]._len == alone[b]._len == len(seqs[b]) - 1
+
+
+def test_score_batch_runs_other_scorers_alone():
+    """Scorers without a lean forward (here: not KVScorers) are asked one by one."""
+
+    class Fixed:
+        def logits(self, seq, proposal):
+            return torch.full((len(proposal) + 1, 3), float(len(seq)))
+
+    got = score_batch([(Fixed(), [1, 2], [3]), (Fixed(), [1], [])])
+    assert [g.shape for g in got] == [(2, 3), (1, 3)] and got[0][0, 0] == 2 and got[1][0, 0] == 1
+
+
+# ------------------------------------------------------------------------------ under the explorer
+def test_the_batch_families_run_clean_and_really_batch():
+    """A slice of every "-batch" family: lossless, counters add up, and forwards of several slots
+    did run together."""
+    multi = 0
+    for family in BATCH:
+        for seed in range(12):
+            world = World(Scenario.draw(family, seed))
+            found = world.run()
+            assert found.ok, found
+            multi += sum(p.rows - p.batches for p in world.procs if isinstance(p, BatchedStage))
+    assert multi > 0
+
+
+def crossed(requests):
+    """A broken batch: every slot gets the next slot's logits."""
+    out = score_alone(requests)
+    return out[1:] + out[:1] if len(out) > 1 else out
+
+
+@pytest.mark.parametrize("family", ["pipespec-greedy-batch", "sd-greedy-batch"])
+def test_slots_getting_each_others_logits_is_caught(family):
+    caught = 0
+    for seed in range(10):
+        world = World(Scenario.draw(family, seed))
+        found = World(
+            world.sc, Parts(world.parts.model, world.parts.prompts, world.parts.eos, score=crossed)
+        ).run()
+        caught += found.verdict in ("mismatch", "error", "counter")
+    assert caught >= 5, caught
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["pipespec-greedy-batch", "sd-greedy-batch"])
+def test_the_real_tiny_models_batched_stay_lossless_under_adversarial_schedules(family):
+    """The tiny hierarchy's models, every slot a ``for_slot`` of one scorer per stage and the
+    forwards through ``score_batch``: greedy output equals the target alone under the schedules."""
+    base = tiny_parts()
+    shared = {}
+
+    def model(i: int) -> KVScorer:
+        if i not in shared:
+            shared[i] = base.model(i)
+            return shared[i]
+        return shared[i].for_slot()
+
+    for seed in range(3):
+        shared.clear()
+        sc = Scenario.draw(family, seed, k=3, lookup=False, n_prompts=3, slots=3, stop_before=None,
+                           decode=DecodeConfig(lookahead=seed % 3, sd_window=2, max_run_ahead=4,
+                                               max_new_tokens=10))  # fmt: skip
+        prompts = [base.prompts[0][: 3 + j] for j in range(3)]
+        world = World(sc, Parts(model, prompts, base.eos, score=score_batch))
+        found = world.run()
+        assert found.ok, found
+        assert sum(p.rows - p.batches for p in world.procs) > 0
+
+
+def test_explore_names_the_batch_families():
+    assert len(BATCH) == 6 and explore("pipespec-greedy-batch", 1).ok
