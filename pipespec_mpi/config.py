@@ -163,6 +163,9 @@ class DecodeConfig:
     # beyond a rejection is lost and, on shared cores, slows the verifier)
     max_verify: int = 16  # most proposal tokens verified in one forward
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
+    batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
+    # its share of the replica's prompts, one after another; the forwards of the slots that have
+    # one run together (the weights read once for all rows)
 
     def window(self, method: str) -> int:
         """Proposals a verifier waits for under ``method``: SD's fixed window, else the lookahead."""
@@ -212,9 +215,13 @@ class RunConfig:
     # auto: shared memory when every pipeline is node-local, else push (comm/window.py); rma: the
     # passive-target RMA window (reads wait for a computing owner under MPICH; for comparison)
     epochs_window: str = "auto"
+    # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot
+    # starve the others: a phase ends before the next starts); empty: decode.batch_size alone
+    batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)  # Hydra hands over a list
+        self.batch_sizes = tuple(self.batch_sizes)
 
 
 @dataclass
@@ -406,6 +413,15 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"run.epochs_window={r.epochs_window!r}: must be one of {EPOCHS_WINDOWS}")
     if r.stall_timeout_s <= 0:
         p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
+    if any(not _int(b) or not 1 <= b <= 64 for b in r.batch_sizes):
+        p.append(f"run.batch_sizes={list(r.batch_sizes)}: integers in 1..64")
+    if r.batch_sizes and r.mode != "benchmark":
+        p.append(
+            f"run.batch_sizes={list(r.batch_sizes)}: a sweep of run.mode=benchmark; use decode.batch_size"
+        )
+    if max([cfg.decode.batch_size, *r.batch_sizes]) > 1 and t.kind == "nccl":
+        p.append("decode.batch_size / run.batch_sizes > 1 with transport.kind=nccl: the slots' links are "
+                 "told apart by tags, which NCCL ignores; use transport.kind=mpi or gloo")  # fmt: skip
 
     a = cfg.auto
     if not _int(a.replicas) or a.replicas < 1:
@@ -443,6 +459,8 @@ def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
     if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
         p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, decode.lookahead="
                  f"{d.lookahead}, decode.sd_window={d.sd_window})")  # fmt: skip
+    if not _int(d.batch_size) or not 1 <= d.batch_size <= 64:
+        p.append(f"decode.batch_size={d.batch_size}: must be an integer in 1..64")
     if sd_needed and d.sd_window is None and d.lookahead == 0:
         p.append(
             "decode.lookahead=0 with sd (method=sd or in run.mode=benchmark) and decode.sd_window=null: "

@@ -74,16 +74,44 @@ def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
     return out
 
 
+def group_key(method: str, batch_size: int) -> str:
+    """The key of a method's results at a batch size in summary.json and benchmark.json:
+    ``pipespec`` at batch 1 (as before batching), ``pipespec@b4`` at 4."""
+    return method if batch_size == 1 else f"{method}@b{batch_size}"
+
+
+def decoding_wall_s(rs: Sequence[Record]) -> float:
+    """The time ``rs`` took to decode. At batch 1 a replica decodes one sequence at a time: the
+    records' walls summed. Batched, a replica's sequences overlap: from its first start to its
+    last end on the leader's clock (``t0_perf_counter``), summed over the replicas (which run at
+    once: tokens / this is the tokens/s of one replica, as at batch 1)."""
+    if all(r.batch_size == 1 for r in rs):
+        return sum(r.wall_s for r in rs)
+    span = 0.0
+    for rep in {r.replica for r in rs}:
+        mine = [r for r in rs if r.replica == rep]
+        start = min(r.stages[-1].t0_perf_counter for r in mine)
+        span += max(r.stages[-1].t0_perf_counter + r.wall_s for r in mine) - start
+    return span
+
+
+def _percentiles(xs: Sequence[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    cuts = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
+    return {"p50": statistics.median(xs), "p90": cuts[8], "mean": statistics.fmean(xs)}
+
+
 def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
-    """summary.json: per method, aggregated over the (non-warm-up) records."""
+    """summary.json: per method and batch size (``group_key``), over the non-warm-up records."""
     by_method: dict[str, list[Record]] = {}
     for r in records:
         if not r.warmup:
-            by_method.setdefault(r.method, []).append(r)
+            by_method.setdefault(group_key(r.method, r.batch_size), []).append(r)
     out = {}
     for method, rs in by_method.items():
         tokens = sum(r.n_new_tokens for r in rs)
-        wall = sum(r.wall_s for r in rs)
+        wall = decoding_wall_s(rs)
         n_stages = len(rs[0].stages)
         pairs = {}
         for s in range(1, n_stages):
@@ -113,6 +141,8 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
             mean_accepted_per_verification={k: v.mean_accepted for k, v in pairs.items()},
             stages=stages,
             peak_rss_mb=[max(r.stages[s].peak_rss_mb for r in rs) for s in range(n_stages)],
+            batch_size=rs[0].batch_size,
+            sequence_ms_per_token=_percentiles([r.ms_per_token for r in rs if r.n_new_tokens]),
             **_energy(rs, tokens),
         )
     return out
@@ -138,19 +168,22 @@ def _energy(rs: list[Record], tokens: int) -> dict:
 
 
 def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[str, BenchmarkRow]:
-    """benchmark.json: per method ms/token, tokens/s and speedup over ``ar`` (aggregate ratio,
-    and median/min/max of per-prompt ratios over the prompts every method decoded)."""
+    """benchmark.json: per method (and batch size, ``group_key``) ms/token, tokens/s and speedup
+    over ``ar`` at the same batch size (aggregate ratio, and median/min/max of per-prompt ratios
+    of ms/token over the prompts every method decoded)."""
     rs = [r for r in records if not r.warmup]
     summary = summarize(rs)
     per_prompt: dict[str, dict[str, float]] = {}
     for r in rs:
-        key = f"{r.replica}:{r.prompt_id}"
+        key = f"{r.replica}:{r.prompt_id}:{r.batch_size}"
         per_prompt.setdefault(key, {})[r.method] = r.ms_per_token
     out = {}
-    for m in methods:
-        if m not in summary:
+    sizes = sorted({r.batch_size for r in rs})
+    for b, m in [(b, m) for b in sizes for m in methods]:
+        key, ar = group_key(m, b), group_key("ar", b)
+        if key not in summary:
             continue
-        s = summary[m]
+        s = summary[key]
         row = BenchmarkRow(
             n_prompts=s.n_prompts,
             n_tokens=s.n_tokens,
@@ -159,13 +192,19 @@ def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[s
             tokens_per_s=s.tokens_per_s,
             mean_accepted_per_verification=s.mean_accepted_per_verification,
             busy_fraction=[st.busy_fraction for st in s.stages],
+            batch_size=b,
+            sequence_ms_per_token=s.sequence_ms_per_token,
         )
-        if "ar" in summary:
-            row.speedup = summary["ar"].ms_per_token / s.ms_per_token
-            ratios = [p["ar"] / p[m] for p in per_prompt.values() if "ar" in p and m in p and p[m] > 0]
+        if ar in summary:
+            row.speedup = summary[ar].ms_per_token / s.ms_per_token
+            ratios = [
+                p["ar"] / p[m]
+                for k, p in per_prompt.items()
+                if k.endswith(f":{b}") and "ar" in p and m in p and p[m] > 0
+            ]
             if ratios:
                 row.speedup_per_prompt = SpeedupPerPrompt(
                     median=statistics.median(ratios), min=min(ratios), max=max(ratios), n=len(ratios)
                 )
-        out[m] = row
+        out[key] = row
     return out

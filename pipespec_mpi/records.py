@@ -63,6 +63,8 @@ class Record:
     method: str
     warmup: bool  # benchmark warm-up: excluded from aggregates
     sample_idx: int = 0
+    batch_size: int = 1  # sequences in flight per stage while this one decoded (stage/batch.py)
+    slot: int = 0  # which of them
     temperature: float = 0.0
     coupling: str = "leviathan"
     bytes_sent: list[int] = field(default_factory=list)  # per stage
@@ -194,8 +196,8 @@ class MethodSummary:
 
     n_prompts: int
     n_tokens: int
-    wall_s: float
-    ms_per_token: float
+    wall_s: float  # decoding time: the records' walls summed (batch 1), the phases' spans (batched)
+    ms_per_token: float  # wall_s / n_tokens: the inverse of the throughput
     tokens_per_s: float
     ttft_s_mean: float
     token_latency_ms: dict[str, float]  # p50, p90, p99
@@ -203,6 +205,10 @@ class MethodSummary:
     mean_accepted_per_verification: dict[str, float]
     stages: list[StageSummary]
     peak_rss_mb: list[float] = field(default_factory=list)  # per stage
+    batch_size: int = 1
+    # each sequence's own ms/token (its wall over its tokens: the latency a user of one prompt
+    # sees): p50, p90, mean
+    sequence_ms_per_token: dict[str, float] = field(default_factory=dict)
     # GPU runs only (absent from the file otherwise)
     energy_j_per_token_system: float | None = None
     energy_j_per_token_per_gpu: float | None = None
@@ -256,7 +262,9 @@ class BenchmarkRow:
     tokens_per_s: float
     mean_accepted_per_verification: dict[str, float]
     busy_fraction: list[float]  # per stage
-    speedup: float | None = None
+    batch_size: int = 1
+    sequence_ms_per_token: dict[str, float] = field(default_factory=dict)  # p50, p90, mean
+    speedup: float | None = None  # tokens/s over AR's at the same batch size
     speedup_per_prompt: SpeedupPerPrompt | None = None
 
     def to_json(self) -> dict:

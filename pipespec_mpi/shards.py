@@ -27,7 +27,7 @@ from pathlib import Path
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.records import RESULTS, Record, read_records
-from pipespec_mpi.run.jobs import JobKey, done_jobs
+from pipespec_mpi.run.jobs import JobKey, batch_sizes, done_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 ARRAY_SCRIPT = ROOT / "slurm" / "pipespec_array.sbatch"
@@ -80,7 +80,8 @@ def expected_jobs(cfg: AppConfig) -> set[JobKey]:
     ds = cfg.dataset
     mine = shard(load_prompts(ds), ds.shard_index, ds.shard_count)
     methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
-    return {(p.id, m, k) for p in mine for m in methods for k in range(cfg.sampling.num_samples)}
+    n = cfg.sampling.num_samples
+    return {(p.id, m, k, b) for p in mine for m in methods for k in range(n) for b in batch_sizes(cfg)}
 
 
 def array_config(array_dir: Path) -> AppConfig:
@@ -151,7 +152,7 @@ def merge(array_dir: Path) -> list[Record]:
         for p in [d / RESULTS, *sorted((d / "parts").glob("*.jsonl"))]:
             if p.exists():
                 for r in read_records(p):
-                    records.setdefault((r.prompt_id, r.method, r.sample_idx, r.warmup), r)
+                    records.setdefault((r.prompt_id, r.method, r.sample_idx, r.batch_size, r.warmup), r)
     order = [p.id for p in load_prompts(cfg.dataset)]
     merged = list(records.values())
     write_run_files(cfg, Path(array_dir), merged, order)

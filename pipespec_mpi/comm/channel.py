@@ -34,6 +34,11 @@ CLOSE = -1
 TAG = 7
 
 
+def slot_tag(slot: int) -> int:
+    """The tag of a batched-decoding slot's link (slot 0: ``TAG``, as without batching)."""
+    return TAG + 16 * slot
+
+
 @dataclass(frozen=True)
 class Proposal:
     prompt: int

@@ -29,6 +29,10 @@ class PromptLookup:
         self.ngram = ngram
         self.max_proposal = max_proposal
 
+    def for_slot(self) -> PromptLookup:
+        """Another sequence (a slot of batched decoding): a lookup keeps no state between calls."""
+        return self
+
     def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
         pass
 

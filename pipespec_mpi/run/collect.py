@@ -113,6 +113,8 @@ class RecordAssembler:
             method=job.method,
             warmup=job.warmup,
             sample_idx=job.sample_idx,
+            batch_size=job.batch_size,
+            slot=job.slot,
             temperature=cfg.sampling.temperature,
             coupling=cfg.sampling.coupling,
             bytes_sent=[s.bytes_sent for s in stats],

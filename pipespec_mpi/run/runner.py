@@ -1,6 +1,11 @@
 """One job on one rank, start to end: set up (setup.py), plan the replica's jobs (jobs.py), drive
 the stage over them (``StageProcess`` + ``drive``, with the MPI gate and handoff of collect.py),
-then rank 0 writes the run's files (finalize.py)."""
+then rank 0 writes the run's files (finalize.py).
+
+Batched decoding (``decode.batch_size``, a benchmark's ``run.batch_sizes``): the jobs come in
+phases of one batch size; a phase of batch B runs B slots (each its own ``StageProcess`` over
+its own links, window and communicators, dealt every B-th job) under one ``BatchedStage``, whose
+forwards run together. A replica's phases are separated by a barrier of its ranks."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
+from pipespec_mpi.gpu_monitor import GpuMonitor
+from pipespec_mpi.models.base import score_batch
 from pipespec_mpi.run import setup
 from pipespec_mpi.run.collect import (
     Collector,
@@ -25,8 +32,10 @@ from pipespec_mpi.run.collect import (
 )
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
 from pipespec_mpi.run.finalize import finalize
-from pipespec_mpi.run.jobs import Job, JobKey, done_jobs, plan_jobs, sampler_for
+from pipespec_mpi.run.jobs import Job, JobKey, batch_sizes, done_jobs, phases, plan_jobs, sampler_for
+from pipespec_mpi.run.setup import PerfClock
 from pipespec_mpi.speculative.verifiers import make_verifier
+from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.process import StageProcess, drive
 from pipespec_mpi.topology import place
@@ -48,8 +57,10 @@ class Runner:
         if self.world.rank == 0:  # before _done()'s broadcast: no rank reads it earlier
             clear_stale_stop_file(self.run_dir, psutil.Process().create_time())
         loaded = setup.load(cfg, self.world, pl)
-        links = setup.connect(cfg, self.world, pl, loaded)
-        loop = setup.stage_loop(cfg, pl, loaded, links)
+        n_slots = max(batch_sizes(cfg))
+        slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
+        loops = [setup.stage_loop(cfg, pl, loaded, ln, slot=s) for s, ln in enumerate(slot_links)]
+        links = slot_links[0]
         jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
         hosts = [self.world.hosts[r] for r in pl.replica_ranks()]  # per stage of this replica
         collector = None
@@ -69,22 +80,39 @@ class Runner:
             maybe_fail(self.world.rank, index[job.seq])
             loaded.gpu_monitor.start()
 
-        handoff = LeaderHandoff(
-            links.replica_comm, pl.stage, pl.n_stages, gpu_monitor=loaded.gpu_monitor, on_record=collector
-        )
-        process = StageProcess(
-            loop, VoteGate(links.replica_comm, stop), handoff, jobs,
-            verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
-        )  # fmt: skip
-        try:
-            drive(process, cfg.run.stall_timeout_s)
-        except StallError as err:
-            raise StallError(f"{err}{self._culprits(links)}") from err
+        def slot(s: int, slot_jobs: list[Job], alone: bool) -> StageProcess:
+            # GPU energy is per job; batched jobs overlap, so they are not measured
+            monitor = loaded.gpu_monitor if alone else GpuMonitor([])
+            handoff = LeaderHandoff(
+                slot_links[s].replica_comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector
+            )
+            return StageProcess(
+                loops[s], VoteGate(slot_links[s].replica_comm, stop), handoff, slot_jobs,
+                verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
+            )  # fmt: skip
+
+        done = left = 0
+        groups = phases(jobs)
+        for g, group in enumerate(groups):
+            b = min(group[0].batch_size, len(group))
+            slots = [slot(s, group[s :: group[0].batch_size], b == 1) for s in range(b)]
+            stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
+            try:
+                drive(stepper, cfg.run.stall_timeout_s)
+            except StallError as err:
+                raise StallError(f"{err}{self._culprits(links)}") from err
+            done += sum(p.jobs_done for p in slots)
+            left += sum(p.jobs_left for p in slots)
+            if left:  # the replica agreed to stop (the same vote on each of its stages)
+                left += sum(len(later) for later in groups[g + 1 :])
+                break
+            if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it
+                self._barrier(loops, f"phase {g + 1} of replica {pl.replica} to end", links.replica_comm)
         if collector is not None:
             collector.close()
-        self._barrier(loop, "all replicas to finish")
-        left = self.comm.allreduce(process.jobs_left if pl.is_last else 0)
-        finished = self.comm.allreduce(process.jobs_done if pl.is_last else 0)
+        self._barrier(loops, "all replicas to finish")
+        left = self.comm.allreduce(left if pl.is_last else 0)
+        finished = self.comm.allreduce(done if pl.is_last else 0)
         if self.world.rank == 0:
             finalize(cfg, self.run_dir, loaded.prompts)
             if left:
@@ -98,10 +126,11 @@ class Runner:
                         " a time-limit signal needs a lead time shorter than the job's limit)"
                     )
                 )
-        self._barrier(loop, "rank 0 to write the summary")
+        self._barrier(loops, "rank 0 to write the summary")
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
-        links.close(cfg.run.stall_timeout_s)
+        for ln in slot_links:
+            ln.close(cfg.run.stall_timeout_s)
         stop.close()
         return exit_code(left, finished)
 
@@ -120,13 +149,14 @@ class Runner:
             raise err
         return done or set()
 
-    def _barrier(self, loop: StageLoop, what: str) -> None:
-        """A world barrier, waited for without spinning, taking in proposals (kept for their
-        prompt) and beating."""
-        req = self.comm.Ibarrier()
+    def _barrier(self, loops: list[StageLoop], what: str, comm=None) -> None:
+        """A barrier of ``comm`` (the world's by default), waited for without spinning, taking in
+        proposals (kept for their prompt) and beating, on every slot."""
+        req = (comm or self.comm).Ibarrier()
 
         def passed() -> bool:
-            loop.pump()
+            for loop in loops:
+                loop.pump()
             return req.Test()
 
         wait_until(passed, self.cfg.run.stall_timeout_s, what)

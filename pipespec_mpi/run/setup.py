@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
-from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
+from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender, slot_tag
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.config import AppConfig, ConfigError
@@ -211,9 +211,13 @@ class Links:
         self.node_comm.Free()
 
 
-def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Links:
+def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: int = 0) -> Links:
     """Proposal channels (with the distributions when Leviathan sampling), the epochs window
-    (``open_window``), communicators."""
+    (``open_window``), communicators: those of one slot (batched decoding: each slot has its
+    own, its links tagged apart; collective, so every rank connects its slots in order)."""
+    if slot and loaded.transport == "nccl":
+        raise ConfigError(["batched decoding over nccl: NCCL ignores the tags that tell the slots' links "
+                           "apart; use transport.kind=mpi or gloo, or decode.batch_size=1"])  # fmt: skip
     MPI = mpi()
     comm = world.comm
     device = None
@@ -226,7 +230,7 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Link
     leviathan = cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan"
     dist_width = loaded.vocab if leviathan else 0
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
-    chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width)
+    chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot))
     sender = open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
     receiver = open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
@@ -269,10 +273,12 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
     return PushedEpochWindow(comm, max_tokens, neighbours, neighbours, header_only=header_only)
 
 
-def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links) -> StageLoop:
-    """This rank's stage loop over its model, window and channels, on the node's clock."""
+def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0) -> StageLoop:
+    """This rank's stage loop over its model, window and channels, on the node's clock; slot
+    s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``)."""
     role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
+    model = loaded.model.for_slot() if slot else loaded.model
     return StageLoop(
-        role, loaded.model, links.window, links.sender, links.receiver, PerfClock(), cfg.decode,
+        role, model, links.window, links.sender, links.receiver, PerfClock(), cfg.decode,
         loaded.tokenizer.eos_token_id, vocab=loaded.vocab,
     )  # fmt: skip
