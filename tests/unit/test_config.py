@@ -112,3 +112,15 @@ def test_a_config_error_survives_pickling_with_its_problems():
     err.collective = True
     back = pickle.loads(pickle.dumps(err))
     assert back.problems == err.problems and str(back) == str(err) and back.collective
+
+
+def test_batch_sizes_are_checked_with_their_keys():
+    assert compose_config(["decode.batch_size=4"]).decode.batch_size == 4
+    c = compose_config(["run.mode=benchmark", "run.batch_sizes=[1,2,4]"])
+    assert c.run.batch_sizes == (1, 2, 4)
+    with pytest.raises(ConfigError) as err:
+        compose_config(["decode.batch_size=0", "run.batch_sizes=[2,0]"])
+    msg = str(err.value)
+    assert "decode.batch_size=0" in msg and "run.batch_sizes=[2, 0]" in msg and "run.mode=benchmark" in msg
+    with pytest.raises(ConfigError, match="nccl"):
+        compose_config(["decode.batch_size=2", "transport.kind=nccl"])

@@ -101,3 +101,36 @@ def test_energy_integration_and_per_token_accounting():
     cpu = summarize([_rec("ar", "a", 10, 1.0)])["ar"]
     assert cpu.energy_j_per_token_system is None
     assert "energy_j_per_token_system" not in cpu.to_json()  # absent from summary.json on CPUs
+
+
+def _batched(method, pid, n, t0, wall, b, replica=0):
+    r = _rec(method, pid, n, wall)
+    r.batch_size, r.replica = b, replica
+    r.stages[-1].t0_perf_counter = t0
+    return r
+
+
+def test_batched_throughput_is_over_the_phase_span_and_compared_at_the_same_batch_size():
+    """Batched sequences overlap: a phase's decoding time is its span (first start to last end
+    on the leader's clock), per replica, summed; the speedup is over AR at the same batch size."""
+    recs = [
+        _rec("ar", "a", 10, 1.0), _rec("ar", "b", 10, 1.0),  # batch 1: 20 tokens in 2 s
+        # batch 2, replica 0: two overlapping sequences then one more: 30 tokens in 100.0..101.5 s
+        _batched("ar", "a", 10, 100.0, 1.0, 2), _batched("ar", "b", 10, 100.1, 0.9, 2),
+        _batched("ar", "c", 10, 101.0, 0.5, 2),
+        # batch 2, replica 1 (its own clock): 10 tokens in 0.5 s
+        _batched("ar", "d", 10, 7.0, 0.5, 2, replica=1),
+        _batched("pipespec", "a", 10, 200.0, 0.5, 2), _batched("pipespec", "b", 10, 200.0, 0.25, 2),
+    ]  # fmt: skip
+    s = summarize(recs)
+    assert set(s) == {"ar", "ar@b2", "pipespec@b2"}
+    assert s["ar"].wall_s == pytest.approx(2.0) and s["ar"].batch_size == 1
+    assert s["ar@b2"].wall_s == pytest.approx(1.5 + 0.5) and s["ar@b2"].tokens_per_s == pytest.approx(20.0)
+    assert s["ar@b2"].sequence_ms_per_token["p50"] == pytest.approx(70.0)  # 100 90 50 50 ms
+    b = benchmark_table(recs, ["ar", "pipespec"])
+    assert list(b) == ["ar", "ar@b2", "pipespec@b2"]
+    assert b["pipespec@b2"].batch_size == 2
+    assert b["pipespec@b2"].speedup == pytest.approx(40.0 / 20.0)  # 20 tokens in 0.5 s vs ar@b2
+    assert b["pipespec@b2"].speedup_per_prompt.n == 2  # prompts a and b, at batch 2 only
+    pp = b["pipespec@b2"].speedup_per_prompt
+    assert (pp.min, pp.max) == (pytest.approx(100 / 50), pytest.approx(90 / 25))  # a, b at batch 2

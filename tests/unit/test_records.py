@@ -153,8 +153,8 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert list(doc["pipespec"]) == [
         "n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s", "ttft_s_mean", "token_latency_ms",
-        "acceptance", "mean_accepted_per_verification", "stages", "peak_rss_mb", "energy_j_per_token_system",
-        "energy_j_per_token_per_gpu", "n_gpus_measured",
+        "acceptance", "mean_accepted_per_verification", "stages", "peak_rss_mb", "batch_size",
+        "sequence_ms_per_token", "energy_j_per_token_system", "energy_j_per_token_per_gpu", "n_gpus_measured",
     ]  # fmt: skip
     assert list(doc["pipespec"]["token_latency_ms"]) == ["p50", "p90", "p99"]
     assert doc["pipespec"]["acceptance"]["0->1"]["accepted_histogram"] == [0, 0, 0, 2, 0]
@@ -169,7 +169,7 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     assert list(doc) == ["ar", "pipespec"]
     assert list(doc["pipespec"]) == [
         "n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s", "mean_accepted_per_verification",
-        "busy_fraction", "speedup", "speedup_per_prompt",
+        "busy_fraction", "batch_size", "sequence_ms_per_token", "speedup", "speedup_per_prompt",
     ]  # fmt: skip
     assert doc["pipespec"]["speedup_per_prompt"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 2}
     # without AR there is no speedup: the keys are absent, as before

@@ -1,0 +1,34 @@
+"""Job planning (run/jobs.py): phases of one batch size, slots dealt in turn, resume keys."""
+
+from __future__ import annotations
+
+from pipespec_mpi.config import compose_config
+from pipespec_mpi.run.jobs import phases, plan_jobs
+from pipespec_mpi.topology import place
+
+PROMPTS = [(f"p{i}", [1, 2 + i], f"text {i}") for i in range(5)]
+
+
+def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_size():
+    cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]",
+                          "run.batch_sizes=[1,2]"])  # fmt: skip
+    jobs = plan_jobs(cfg, PROMPTS, place(2, 3, 3), set())
+    groups = phases(jobs)
+    assert [(g[0].phase, g[0].batch_size, {j.method for j in g}, len(g)) for g in groups] == [
+        (0, 1, {"ar", "pipespec"}, 2),  # warm-up
+        (1, 1, {"ar", "pipespec"}, 10),  # A B A B ...
+        (2, 2, {"ar"}, 5),
+        (3, 2, {"pipespec"}, 5),
+    ]
+    assert [j.method for j in groups[1][:4]] == ["ar", "pipespec", "ar", "pipespec"]
+    assert [j.slot for j in groups[2]] == [0, 1, 0, 1, 0]
+    assert len({j.seq for j in jobs}) == len(jobs)  # the tag of every header and message
+
+
+def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size():
+    cfg = compose_config(["hierarchy=tiny", "method=sd", "decode.batch_size=3"])
+    jobs = plan_jobs(cfg, PROMPTS, place(0, 3, 3), set())
+    assert {(j.method, j.batch_size, j.phase) for j in jobs} == {("sd", 3, 1)}
+    assert [j.slot for j in phases(jobs)[0]] == [0, 1, 2, 0, 1]
+    done = {("p0", "sd", 0, 3), ("p1", "sd", 0, 1)}  # p1 was decoded at another batch size
+    assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, place(0, 3, 3), done)] == ["p1", "p2", "p3", "p4"]
