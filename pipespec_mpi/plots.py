@@ -258,6 +258,50 @@ def speedup_vs_lookahead(
     return _save(fig, path)
 
 
+# --------------------------------------------------------------------------------------------
+# batched decoding
+
+
+def throughput_vs_batch(sweeps: Mapping[str, Sequence[Mapping]], title: str, path: Path) -> Path | None:
+    """Tokens/s (throughput) and each sequence's own ms/token (p50, latency) against the batch
+    size, one line per (method, models): where the speculative lines cross batched AR's is
+    where speculation stops paying."""
+    if not sweeps:
+        return None
+    fig = Figure(figsize=(12.0, 4.8), layout="constrained")
+    ax_t, ax_l = fig.subplots(1, 2)
+    sizes: set[int] = set()
+    for n, (label, rows) in enumerate(sweeps.items()):
+        method = rows[0]["method"]
+        color = METHOD_COLORS.get(method) if len(sweeps) <= 3 else STAGE_COLORS[n % len(STAGE_COLORS)]
+        xs = [r["batch_size"] for r in rows]
+        sizes.update(xs)
+        ax_t.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", color=color, label=label)
+        lat = [(r["batch_size"], r["sequence_ms_per_token"].get("p50")) for r in rows]
+        lat = [(x, y) for x, y in lat if y is not None]
+        if lat:
+            ax_l.plot(*zip(*lat, strict=True), marker="o", color=color, label=f"{label}: p50")
+        p90 = [(r["batch_size"], r["sequence_ms_per_token"].get("p90")) for r in rows]
+        p90 = [(x, y) for x, y in p90 if y is not None]
+        if p90:
+            ax_l.plot(*zip(*p90, strict=True), marker="x", linestyle=":", color=color, alpha=0.7,
+                      label=f"{label}: p90")  # fmt: skip
+    ax_t.set_ylabel("throughput (tokens/s, all sequences)")
+    ax_l.set_ylabel("latency (ms/token of each sequence)")
+    ax_t.set_title("Throughput (higher is better)", fontsize=10)
+    ax_l.set_title("Per-sequence latency (lower is better)", fontsize=10)
+    for ax in (ax_t, ax_l):
+        ax.set_xlabel("batch size (sequences in flight per stage)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(sizes))
+        ax.set_xticklabels([str(b) for b in sorted(sizes)])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Batched decoding ({title})")
+    return _save(fig, path)
+
+
 def simulator_calibration(rows: Sequence[Mapping], path: Path) -> Path:
     """Simulated vs measured ms/token, one point per (run, method), with the +-15% band."""
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter

@@ -144,24 +144,32 @@ def cross_run_dir(runs: Sequence[Run], out: str | Path | None = None) -> Path | 
 
 
 def method_key(m: str) -> tuple:
-    return (METHOD_ORDER.get(m, len(METHOD_ORDER)), m)
+    """Order of summary keys: by method (AR, SD, PipeSpec), then batch size (``pipespec@b4``)."""
+    method, _, b = m.partition("@b")
+    return (METHOD_ORDER.get(method, len(METHOD_ORDER)), method, int(b or 1))
 
 
 def target_of(records: Sequence[Record]) -> str:
     return records[0].models[-1]
 
 
-def ar_reference(run: Run, runs: Sequence[Run], target: str) -> tuple[list[Record], list[Run]]:
-    """AR records of ``target`` for speedups: the run's own, else those of the other runs
-    (preferring runs over the same prompts and token budget), pooled."""
-    own = [r for r in run.measured if r.method == "ar" and r.models[-1] == target]
+def ar_reference(
+    run: Run, runs: Sequence[Run], target: str, batch_size: int = 1
+) -> tuple[list[Record], list[Run]]:
+    """AR records of ``target`` at ``batch_size`` for speedups: the run's own, else those of the
+    other runs (preferring runs over the same prompts and token budget), pooled."""
+
+    def ar(recs: list[Record]) -> list[Record]:
+        return [r for r in recs if r.method == "ar" and r.models[-1] == target and r.batch_size == batch_size]
+
+    own = ar(run.measured)
     if own:
         return own, [run]
     cands = []
     for other in runs:
         if other is run:
             continue
-        recs = [r for r in other.measured if r.method == "ar" and r.models[-1] == target]
+        recs = ar(other.measured)
         if recs:
             cands.append((other, recs))
     if not cands:
@@ -178,7 +186,8 @@ def ar_reference(run: Run, runs: Sequence[Run], target: str) -> tuple[list[Recor
 
 
 def table_rows(runs: Sequence[Run]) -> list[dict]:
-    """One row per (run, method), sorted by target model, method, models and lookahead."""
+    """One row per (run, method, batch size), sorted by target model, method, models, lookahead
+    and batch size; a batched row's speedup is over AR at the same batch size."""
     rows = []
     for i, run in enumerate(runs):
         recs = run.measured
@@ -186,16 +195,17 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             print(f"[report] {run.path}: no measured (non-warm-up) records", file=sys.stderr)
             continue
         summary = metrics.summarize(recs)
-        for m in sorted(summary, key=method_key):
-            mine = [r for r in recs if r.method == m]
+        for key in sorted(summary, key=method_key):
+            mine = [r for r in recs if metrics.group_key(r.method, r.batch_size) == key]
+            m, b = mine[0].method, mine[0].batch_size
             target = target_of(mine)
             if m == "ar":
                 ref, ref_runs = mine, [run]
             else:
-                ref, ref_runs = ar_reference(run, runs, target)
+                ref, ref_runs = ar_reference(run, runs, target, b)
             # benchmark_table pairs the method with AR (aggregate and per-prompt ratios)
-            bench = metrics.benchmark_table(mine if m == "ar" else mine + ref, [m])[m]
-            s = summary[m]
+            bench = metrics.benchmark_table(mine if m == "ar" else mine + ref, [m])[key]
+            s = summary[key]
             first = mine[0]
             acc = s.acceptance
             per_prompt = bench.speedup_per_prompt
@@ -204,6 +214,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 "run_dir": str(run.path),
                 "run_index": i,
                 "method": m,
+                "batch_size": b,
                 "hierarchy": first.hierarchy,
                 "models": [target] if m == "ar" else list(first.models),
                 "stage_models": list(first.models),
@@ -235,6 +246,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 "busy_fraction": [st.busy_fraction for st in s.stages],
                 "ttft_s_mean": s.ttft_s_mean,
                 "token_latency_ms": s.token_latency_ms,
+                "sequence_ms_per_token": s.sequence_ms_per_token,
             })  # fmt: skip
     rows.sort(
         key=lambda r: (
@@ -243,6 +255,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             len(r["models"]),
             r["models"],
             -1 if r["lookahead"] is None else r["lookahead"],
+            r["batch_size"],
             r["run_index"],
         )
     )
@@ -263,6 +276,7 @@ def _cells(row: dict) -> list[str]:
         row["method"],
         " > ".join(row["models"]),
         _fmt(row["lookahead"], "d"),
+        str(row["batch_size"]),
         str(row["n_prompts"]),
         str(row["n_tokens"]),
         f"{row['ms_per_token']:.2f}",
@@ -272,13 +286,14 @@ def _cells(row: dict) -> list[str]:
     ]
 
 
-HEADER = ["run", "method", "models", "lookahead", "prompts", "tokens", "ms/token", "tokens/s",
+HEADER = ["run", "method", "models", "lookahead", "batch", "prompts", "tokens", "ms/token", "tokens/s",
           "speedup", "accepted/verification"]  # fmt: skip
-RIGHT = {3, 4, 5, 6, 7, 8}
+RIGHT = {3, 4, 5, 6, 7, 8, 9}
 
 
 def _footnotes(rows: Sequence[dict]) -> list[str]:
-    notes = ["speedup: AR ms/token of the same target model / the row's ms/token"]
+    notes = ["speedup: AR ms/token of the same target model at the same batch size / the row's ms/token",
+             "batched rows: ms/token is the phase's time over its tokens (1000 / tokens/s)"]  # fmt: skip
     if any(r["speedup"] is not None and r["speedup_ref"] != "same run" for r in rows):
         notes.append("* AR reference taken from other run dirs: see --json speedup_ref")
     if any(r["speedup"] is None for r in rows):
@@ -326,7 +341,7 @@ def lookahead_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
     """Rows of each (method, models) that ran at two or more lookaheads, keyed by a label."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["method"] != "ar" and r["lookahead"] is not None:
+        if r["method"] != "ar" and r["lookahead"] is not None and r["batch_size"] == 1:
             groups.setdefault((r["method"], tuple(r["models"])), []).append(r)
     return {
         f"{m} ({' > '.join(models)})": sorted(rs, key=lambda r: (r["lookahead"], r["run_index"]))
@@ -335,12 +350,27 @@ def lookahead_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
     }
 
 
+def batch_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """Rows of each (method, models, run) at two or more batch sizes, keyed by a label."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], tuple(r["models"]), r["run"]), []).append(r)
+    many = len({r["run"] for r in rows}) > 1
+    return {
+        f"{m} ({' > '.join(models)})" + (f" [{run}]" if many else ""): sorted(
+            rs, key=lambda r: r["batch_size"]
+        )
+        for (m, models, run), rs in groups.items()
+        if len({r["batch_size"] for r in rs}) >= 2
+    }
+
+
 def ar_ms_per_token(runs: Sequence[Run]) -> dict[str, float]:
-    """Pooled AR ms/token per target model over all the runs."""
+    """Pooled AR ms/token at batch 1 per target model over all the runs."""
     by_target: dict[str, list[Record]] = {}
     for run in runs:
         for r in run.measured:
-            if r.method == "ar":
+            if r.method == "ar" and r.batch_size == 1:
                 by_target.setdefault(r.models[-1], []).append(r)
     return {t: metrics.summarize(rs)["ar"].ms_per_token for t, rs in by_target.items()}
 
@@ -387,6 +417,11 @@ def write_plots(
         if tl:
             written.append(plots.timeline(tl, f"run {run.label}", run.path / "timeline.png"))
         written.append(plots.busy_fraction(mine, f"run {run.label}", run.path / "busy_fraction.png"))
+        sweeps = batch_sweeps(mine)
+        if sweeps:
+            written.append(
+                plots.throughput_vs_batch(sweeps, f"run {run.label}", run.path / "tokens_per_s_vs_batch.png")
+            )
     cross = cross_run_dir(runs, out)
     if cross is None and len(runs) > 1:
         print("[report] cross-run plots skipped: the runs share no folder; use --out DIR",

@@ -204,6 +204,40 @@ def test_main_writes_table_json_and_pngs(sweep: Path, capsys) -> None:
     assert len(rows) == 1 and rows[0]["speedup"] is None and rows[0]["lookahead"] == 4
 
 
+def test_batched_rows_compare_with_ar_at_their_batch_size_and_plot_against_it(tmp_path: Path) -> None:
+    """A batch sweep: one row per (method, batch size); a batched phase's time is its span, the
+    speedup is over AR at the same batch size; tokens_per_s_vs_batch.png is drawn."""
+
+    def batched(method, prompt, t0, wall, b):
+        r = rec(method, prompt, wall, 10)
+        r["batch_size"] = b
+        r["stages"][-1]["t0_perf_counter"] = t0
+        return r
+
+    recs = [
+        rec("ar", "a", 1.0, 10),
+        rec("ar", "b", 1.0, 10),
+        rec("pipespec", "a", 0.5, 10),
+        rec("pipespec", "b", 0.5, 10),
+        batched("ar", "a", 10.0, 1.0, 2),
+        batched("ar", "b", 10.0, 1.0, 2),  # 20 tokens in 1 s
+        batched("pipespec", "a", 20.0, 0.8, 2),
+        batched("pipespec", "b", 20.2, 0.6, 2),
+    ]  # in 0.8 s
+    run = write_run(tmp_path / "r", recs)  # fmt: skip
+    rows = report.table_rows(report.find_runs([run]))
+    got = {(r["method"], r["batch_size"]): r for r in rows}
+    assert list(got) == [("ar", 1), ("ar", 2), ("pipespec", 1), ("pipespec", 2)]
+    assert got[("ar", 2)]["tokens_per_s"] == pytest.approx(20.0)
+    assert got[("pipespec", 1)]["speedup"] == pytest.approx(2.0)
+    assert got[("pipespec", 2)]["speedup"] == pytest.approx(1.0 / 0.8)
+    assert set(report.batch_sweeps(rows)) == {"ar (t-4L)", "pipespec (d-1L > m-3L > t-4L)"}
+    written = report.write_plots(report.find_runs([run]), rows)
+    png = run / "tokens_per_s_vs_batch.png"
+    assert png in written and png.read_bytes().startswith(PNG)
+    assert " batch " in report.format_markdown(rows).splitlines()[0]
+
+
 def test_ar_only_run_has_no_histogram(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     d = write_run(tmp_path / "ar", [rec("ar", "p0", 1.0, 10)])
