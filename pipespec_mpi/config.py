@@ -242,9 +242,13 @@ class AutoConfig:
     max_stages: int = 4
     cache_dir: str | None = None  # None: $PIPESPEC_CACHE_DIR or ~/.cache/pipespec_mpi
     force: bool = False  # measure again even when the cache has this machine and prompt set
+    # batch sizes the plan may choose from (decode.batch_size): the highest predicted throughput,
+    # speculation only where it beats the best batched AR by ``margin``; (1,): one sequence at a time
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         self.token_counts = tuple(self.token_counts)
+        self.batch_sizes = tuple(self.batch_sizes)
 
 
 @dataclass
@@ -438,6 +442,8 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"auto.margin={a.margin}: must be >= 0")
     if not _int(a.max_stages) or a.max_stages < 1:
         p.append(f"auto.max_stages={a.max_stages}: must be an integer >= 1")
+    if not a.batch_sizes or any(not _int(b) or not 1 <= b <= 64 for b in a.batch_sizes):
+        p.append(f"auto.batch_sizes={list(a.batch_sizes)}: integers in 1..64, at least one")
     return p
 
 

@@ -101,7 +101,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     calib = [list(p) for p in prompts[: a.calibration_prompts]]
     stages = fingerprint.stage_identity(hier.stages)
     cost_for = {
-        "format": 2,  # prefill timed too
+        "format": 3,  # prefill timed too; what a sequence adds to a batched forward
         "machine": fingerprint.machine(node.cores, node.ranks_on_node),
         "stages": stages,
         "threads": threads,
@@ -146,7 +146,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         threads=threads,
         agreement=Agreement.from_json(agree),
     )
-    plan = predict(measured, cfg.decode, max_k, a.margin)
+    plan = predict(measured, cfg.decode, max_k, a.margin, batch_sizes=a.batch_sizes)
     files = (str(cache.path("costs", cost_for)), str(cache.path("agreement", agree_for)))
     names = measured.stages
     skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)

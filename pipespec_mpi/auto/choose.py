@@ -123,7 +123,8 @@ class Measured:
     stages: tuple[str, ...]  # candidate stage names, smallest first
     kinds: tuple[str, ...]
     max_proposal: tuple[int, ...]
-    costs: Mapping[Pipeline, Sequence[Mapping]]  # P -> per stage {points: [(n, s)], prefill_s, context}
+    # P -> per stage {points: [(n, s)], prefill_s, context, per_sequence_s}
+    costs: Mapping[Pipeline, Sequence[Mapping]]
     threads: Mapping[int, int]  # k -> threads per rank
     agreement: Agreement
 
@@ -159,7 +160,8 @@ def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
                 lookup_hit_rate=hit, lookup_chain_rate=chain,
             ))  # fmt: skip
         else:
-            out.append(sim.LatencyProfile(name=m.stages[s], points=points, prefill_per_token_s=prefill))
+            out.append(sim.LatencyProfile(name=m.stages[s], points=points, prefill_per_token_s=prefill,
+                                          per_sequence_s=float(cost.get("per_sequence_s", 0.0))))  # fmt: skip
     return out
 
 
@@ -190,21 +192,30 @@ def replay(m: Measured, p: Pipeline, prompt: int, method: str, window: int) -> s
 
 
 def simulated_ms(m: Measured, p: Pipeline, cfg: sim.SimConfig, seeds: Sequence[int]) -> float | None:
-    """ms/token of ``p`` over the calibration prompts (each replayed, ``seeds`` times)."""
+    """ms/token of ``p`` over the calibration prompts (each replayed, ``seeds`` times). Batched
+    (``cfg.batch_size`` B): B prompts at a time, the calibration prompts taken in turn (B of
+    them from prompt j on, for each j), and the time per token is the batch's wall over all its
+    slots' tokens (1000 / tokens/s)."""
     profs = profiles(m, p)
-    wall = tokens = 0.0
-    for k, path in enumerate(m.agreement.paths):
-        window = cfg.decode.window(cfg.method)
+    window = cfg.decode.window(cfg.method)
+    accs = []
+    for k in range(len(m.agreement.paths)):
         acc = replay(m, p, k, cfg.method, window) if len(p) > 1 else sim.Acceptance(rates=())
         if acc is None:
             return None
-        n = max(1, len(path))
+        accs.append(acc)
+    n_prompts, b = len(accs), cfg.batch_size
+    wall = tokens = 0.0
+    for k in range(n_prompts):
+        wave = [(k + j) % n_prompts for j in range(b)]
+        n = max(1, *(len(m.agreement.paths[j]) for j in wave))
         prompt_len = m.agreement.prompt_lens[k] if m.agreement.prompt_lens else 0
         for s in seeds:
             decode = replace(cfg.decode, max_new_tokens=n)
             run = replace(cfg, decode=decode, seed=s, prompt_len=prompt_len, include_prefill=bool(prompt_len))
-            r = sim.simulate(profs, acc, run)
-            wall, tokens = wall + r.wall_s, tokens + r.n_tokens
+            r = sim.simulate(profs, accs[k] if b == 1 else [accs[j] for j in wave], run)
+            wall += r.wall_s
+            tokens += sum(x.n_tokens for x in r.slots) if r.slots else r.n_tokens
     return 1000.0 * wall / tokens
 
 
@@ -213,9 +224,10 @@ class Option:
     method: str
     pipeline: tuple[str, ...]  # stage names
     window: int  # PipeSpec's lookahead or SD's window; 0 for AR
-    ms_per_token: float
-    speedup: float
+    ms_per_token: float  # batched: 1000 / tokens/s of all the batch's sequences
+    speedup: float  # over AR at batch 1
     run_ahead: int = 0  # PipeSpec's max_run_ahead (0: the configured one)
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -245,13 +257,20 @@ def predict(
     sd_windows: Sequence[int] = (1, 2, 3, 4, 6),
     run_aheads: Sequence[int] = (4, 8, 16),
     seeds: Sequence[int] = (0,),  # replayed prompts: only off-path verdicts are drawn
+    batch_sizes: Sequence[int] = (1,),
 ) -> Plan:
     """Simulate every candidate pipeline with every window (and, for PipeSpec, run-ahead bound);
-    choose (see the module's notation)."""
+    choose (see the module's notation). With ``batch_sizes``, also each (pipeline, method)'s best
+    setting at batch 1 batched at every other size, and AR at every size: the choice is the
+    highest throughput, speculative only where it beats the best AR by the margin."""
     n = len(m.stages)
     base = sim.SimConfig(decode=decode, include_prefill=False)
     ar_ms = simulated_ms(m, (n - 1,), replace(base, method="ar"), seeds[:1])
-    ar = Option("ar", (m.stages[-1],), 0, ar_ms, 1.0)
+    ars = [Option("ar", (m.stages[-1],), 0, ar_ms, 1.0)]
+    for b in sorted(set(batch_sizes) - {1}):
+        ms = simulated_ms(m, (n - 1,), replace(base, method="ar", batch_size=b), seeds[:1])
+        ars.append(Option("ar", (m.stages[-1],), 0, ms, ar_ms / ms, batch_size=b))
+    ar = min(ars, key=lambda o: o.ms_per_token)
     options = []
     for p in m.costs:
         if len(p) < 2 or len(p) > max_stages or rates(m, p) is None:
@@ -267,18 +286,37 @@ def predict(
             ms = simulated_ms(m, p, replace(base, method=method, decode=d), seeds)
             options.append(Option(method, names, w, ms, ar_ms / ms, ahead if method == "pipespec" else 0))
     options.sort(key=lambda o: o.ms_per_token)
+    batched = []
+    for b in sorted(set(batch_sizes) - {1}):
+        tops = {}
+        for o in options:  # each (pipeline, method)'s best setting at batch 1
+            tops.setdefault((o.pipeline, o.method), o)
+        for o in tops.values():
+            p = tuple(m.stages.index(name) for name in o.pipeline)
+            key = "sd_window" if o.method == "sd" else "lookahead"
+            d = replace(decode, **{key: o.window, "max_run_ahead": o.run_ahead or decode.max_run_ahead})
+            ms = simulated_ms(m, p, replace(base, method=o.method, decode=d, batch_size=b), seeds)
+            batched.append(replace(o, ms_per_token=ms, speedup=ar_ms / ms, batch_size=b))
+    options = sorted(options + batched, key=lambda o: o.ms_per_token)
     best = options[0] if options else None
-    if best is not None and best.speedup >= 1 + margin:
-        chosen, reason = best, f"predicted {best.speedup:.2f}x AR (>= 1 + margin {margin})"
+    vs = "AR" if ar.batch_size == 1 else f"AR at batch {ar.batch_size}"
+    at = lambda o: "" if o.batch_size == 1 else f" at batch {o.batch_size}"  # noqa: E731
+    if best is not None and best.ms_per_token * (1 + margin) <= ar.ms_per_token:
+        gain = ar.ms_per_token / best.ms_per_token
+        chosen, reason = best, f"predicted {gain:.2f}x {vs}{at(best)} (>= 1 + margin {margin})"
     else:
         chosen = ar
         reason = (
-            f"no speculative option is predicted to beat AR by the margin {margin} "
-            f"(best: {best.method} {' -> '.join(best.pipeline)} at {best.speedup:.2f}x)"
+            f"no speculative option is predicted to beat {vs} by the margin {margin} "
+            f"(best: {best.method} {' -> '.join(best.pipeline)}{at(best)} at "
+            f"{ar.ms_per_token / best.ms_per_token:.2f}x)"
             if best
             else "no speculative option to simulate (no drafter proposes along the calibration paths)"
         )
-    return Plan(chosen, best, ar, margin, reason, tuple([ar, *options]), dict(m.threads))
+    options_all = sorted([*ars, *options], key=lambda o: o.ms_per_token)
+    if len(ars) == 1:
+        options_all = [ar, *options]  # batch 1 alone: AR first, as the table has always shown it
+    return Plan(chosen, best, ar, margin, reason, tuple(options_all), dict(m.threads))
 
 
 def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
@@ -308,6 +346,8 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     elif opt.method == "pipespec":
         decode = replace(decode, lookahead=opt.window, max_run_ahead=opt.run_ahead or decode.max_run_ahead)
     method = plan.chosen.method if cfg.run.mode == "single" else cfg.method
+    if cfg.run.mode == "single":
+        decode = replace(decode, batch_size=plan.chosen.batch_size)
     run = cfg.run
     if len(stages) == 1:  # the target alone: nothing but AR can run on it
         run = replace(run, methods=("ar",))
@@ -315,14 +355,18 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
 
 
 def table(plan: Plan, top: int = 8) -> str:
-    lines = [f"{'method':<9} {'pipeline':<58} {'win':>3} {'ahead':>5} {'ms/token':>9} {'vs AR':>7}"]
+    lines = [
+        f"{'method':<9} {'pipeline':<58} {'win':>3} {'ahead':>5} {'batch':>5} {'ms/token':>9} {'vs AR':>7}"
+    ]
     for o in plan.options[: top + 1]:
         mark = " <- chosen" if o == plan.chosen else ""
         win = "-" if o.method == "ar" else str(o.window)
         ahead = str(o.run_ahead) if o.run_ahead else "-"
         path = " -> ".join(o.pipeline)
         lines.append(
-            f"{o.method:<9} {path:<58} {win:>3} {ahead:>5} {o.ms_per_token:>9.2f} {o.speedup:>6.2f}x{mark}"
+            f"{o.method:<9} {path:<58} {win:>3} {ahead:>5} {o.batch_size:>5} {o.ms_per_token:>9.2f}"
+            f" {o.speedup:>6.2f}x{mark}"
         )
+    lines.append("ms/token of a batch: 1000 / tokens/s of all its sequences; vs AR: over AR at batch 1")
     lines.append(f"choice: {plan.reason}")
     return "\n".join(lines)

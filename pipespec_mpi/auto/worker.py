@@ -6,8 +6,9 @@ them holds no model. It never imports MPI. It loads its stage once, says ``{"rea
 then answers commands, one JSON line each:
 
   cost     set ``threads``; time the prefill of ``context`` and forwards over each of
-           ``token_counts`` new tokens after it (median of ``repeats``); say ``{"points":
-           [[n, s], ...], "prefill_s": s, "context": n}``; then keep the
+           ``token_counts`` new tokens after it (median of ``repeats``), and what each more
+           sequence adds to a batched forward; say ``{"points": [[n, s], ...], "prefill_s": s,
+           "context": n, "per_sequence_s": s}``; then keep the
            node as busy as a drafting stage keeps it (one-token forwards) until the line ``stop``
            arrives, and say ``{"stopped": true}`` (so every stage of a pipeline is timed while the
            others run)
@@ -80,7 +81,37 @@ def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], re
             times.append(time.perf_counter() - t0)
             model.truncate(base - 1)
         points.append([n, statistics.median(times)])
-    return {"points": points, "prefill_s": prefill_s, "context": base}
+    return {"points": points, "prefill_s": prefill_s, "context": base,
+            "per_sequence_s": per_sequence_s(model, context, repeats)}  # fmt: skip
+
+
+BATCH = 4  # sequences of the batched forward ``per_sequence_s`` times
+
+
+def per_sequence_s(model, context: Sequence[int], repeats: int) -> float:
+    """What each more sequence adds to a batched forward (``score_batch``): BATCH sequences of
+    one token each against one sequence of BATCH tokens (the same rows through the linear
+    layers), over BATCH - 1; 0 where the model does not batch (one forward per sequence)."""
+    from pipespec_mpi.models.base import KVScorer, score_batch
+
+    if not isinstance(model, KVScorer) or model._lean is None or not model._lean.batchable:
+        return 0.0
+    base = len(context)
+    slots = [model] + [model.for_slot() for _ in range(BATCH - 1)]
+    for s in slots[1:]:
+        s.prefill(context, room=2)
+    one, many = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.logits(context, [int(context[0])] * (BATCH - 1))
+        one.append(time.perf_counter() - t0)
+        model.truncate(base - 1)
+        t0 = time.perf_counter()
+        score_batch([(s, context, []) for s in slots])
+        many.append(time.perf_counter() - t0)
+        for s in slots:
+            s.truncate(base - 1)
+    return max(0.0, (statistics.median(many) - statistics.median(one)) / (BATCH - 1))
 
 
 def keep_busy(model, context: Sequence[int]) -> None:

@@ -15,6 +15,13 @@ forwards take the time its ``LatencyProfile`` says, and a window and channels wi
 The engine only decides when each stage steps; what a stage does is the loop's, so rollbacks,
 discarded drafts and the lossless property (the output equals the target's own greedy output)
 come out of the simulation rather than being assumed.
+
+Batched (``SimConfig.batch_size`` B > 1): every stage runs B slots, each a sequence of its own
+(its own oracle path: seed and slot) with its own window headers and links, under the rank's
+``BatchedStage`` (stage/batch.py); a batched forward costs ``forward_s`` of all its slots' tokens
+together, charged once to the stage's clock (the measured profiles go to 16 tokens and are
+extrapolated linearly beyond: on the CPUs here a forward of 8+ rows is compute-bound). A node is
+(slot, stage), numbered slot * k + stage; the stage's clock and compute are shared by its slots.
 """
 
 from __future__ import annotations
@@ -24,14 +31,15 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
-from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, SimClock, TokenOracle
+from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, SimClock, TokenOracle, _Compute
 from pipespec_mpi.simulate.ports import TimedReceiver, TimedSender, TimedWindow, Version
 from pipespec_mpi.speculative.verifiers import Greedy
-from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
+from pipespec_mpi.stage.batch import BatchedStage
+from pipespec_mpi.stage.loop import Forward, StageLoop, StageRole, Step
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 
 PROMPT_SEQ = 1  # the simulated prompt's sequence number
@@ -46,6 +54,13 @@ class SimResult:
     tokens: list[int]
     reference: list[int]  # the target's own greedy output (what AR would produce)
     outcomes: list[StageOutcome]
+    slots: list[SimResult] = field(default_factory=list)  # batched: one per slot (this: slot 0's)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Throughput: every slot's tokens over the wall (the last slot to finish)."""
+        n = sum(r.n_tokens for r in self.slots) if self.slots else self.n_tokens
+        return n / self.wall_s if self.wall_s else float("nan")
 
     @property
     def stages(self) -> list[StageStats]:
@@ -65,24 +80,49 @@ class SimResult:
 
 
 class _Node:
-    """One simulated stage: its loop, clock, model, published headers and incoming proposals."""
+    """One simulated stage (of one slot): its loop, clock, model, published headers and incoming
+    proposals. The slots of a stage share its clock (``clock``) and step together."""
 
-    def __init__(self, engine: Engine, i: int, profile: LatencyProfile) -> None:
+    def __init__(
+        self, engine: Engine, i: int, profile: LatencyProfile, clock: SimClock | None = None
+    ) -> None:
         self.i, self.profile = i, profile
-        self.clock = SimClock(-math.inf)
+        self.k = len(engine.profiles)
+        self.stage, self.slot = i % self.k, i // self.k
+        self.clock = clock or SimClock(-math.inf)
         self.versions: list[Version] = []
         self.inflight: deque[tuple[float, Proposal]] = deque()
-        self.next_run = -math.inf
-        self.done = False
-        self.rng = random.Random(f"{engine.cfg.seed}:{i}")  # draws of the loop's overhead
         self.model = None  # set by the engine
         self.loop: StageLoop | None = None
         self.outcome: StageOutcome | None = None
 
+    # a slot of a BatchedStage: the loop's advance/complete, finished (done published) at DONE
+    def advance(self) -> Step | Forward:
+        s = self.loop.advance()
+        if s is Step.DONE and self.outcome is None:
+            self.outcome = self.loop.finish()
+        return s
+
+    def complete(self, fwd: Forward, logits, t0: float) -> Step:
+        return self.loop.complete(fwd, logits, t0)
+
+    def describe(self) -> str:
+        return f"stage {self.stage} slot {self.slot}"
+
 
 class Engine:
-    def __init__(self, profiles: Sequence[LatencyProfile], acceptance: Acceptance, cfg: SimConfig) -> None:
+    def __init__(
+        self,
+        profiles: Sequence[LatencyProfile],
+        acceptance: Acceptance | Sequence[Acceptance],
+        cfg: SimConfig,
+    ) -> None:
         k = len(profiles)
+        b = cfg.batch_size
+        accs = list(acceptance) if not isinstance(acceptance, Acceptance) else [acceptance]
+        if not 1 <= len(accs) <= b:
+            raise ValueError(f"batch_size={b}: one acceptance, or one per slot; got {len(accs)}")
+        acceptance = accs[0]
         if k < 1:
             raise ValueError("need at least one stage")
         if len(acceptance.rates) != k - 1:
@@ -97,20 +137,32 @@ class Engine:
             v = getattr(cfg, name)
             if v is not None and len(v) != k:
                 raise ValueError(f"{name}: {k} stages need {k} values, got {v}")
-        self.cfg = cfg
-        self.oracle = TokenOracle(acceptance.rates, acceptance.traces, seed=cfg.seed)
+        self.cfg, self.profiles, self.k = cfg, list(profiles), k
+        # slot s: its own path (prompt), from its acceptance (a recorded prompt's, in turn)
+        self.oracles = [
+            TokenOracle(accs[s % len(accs)].rates, accs[s % len(accs)].traces, seed=cfg.seed + 7919 * s)
+            for s in range(b)
+        ]
+        self.oracle = self.oracles[0]
         self.down_lat = self._per_pair(cfg.latency_s, k)
         up = cfg.up_latency_s if cfg.up_latency_s is not None else cfg.latency_s
         self.up_lat = self._per_pair(up, k)
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
-        self.nodes = [_Node(self, i, p) for i, p in enumerate(profiles)]
+        clocks = [SimClock(-math.inf) for _ in range(k)]
+        shared = [_Compute(None, clocks[i], self._prefill_of(i)) for i in range(k)]  # batched slots'
+        self.nodes = [_Node(self, n, profiles[n % k], clocks[n % k]) for n in range(b * k)]
         for n in self.nodes:
+            oracle, acc = self.oracles[n.slot], accs[n.slot % len(accs)]
+            i = n.stage
             if n.profile.kind == "lookup":
-                n.model = OracleLookup(self.oracle, n.profile, acceptance.lookup, n.clock)
-            else:
-                n.model = OracleScorer(self.oracle, n.i, n.profile.name, n.profile, n.clock, self._prefill(n))
-            role = StageRole(n.i, k, n.i, n.i - 1 if n.i else None, n.i + 1 if n.i < k - 1 else None)
+                n.model = OracleLookup(oracle, n.profile, acc.lookup, n.clock)
+            elif b == 1:
+                n.model = OracleScorer(oracle, i, n.profile.name, n.profile, n.clock, self._prefill_of(i))
+            else:  # forwards charged once per batch (``_score``), prefills to the stage's clock
+                n.model = OracleScorer(oracle, i, n.profile.name, clock=n.clock)
+                n.model.compute = shared[i]
+            role = StageRole(i, k, n.i, n.i - 1 if i else None, n.i + 1 if i < k - 1 else None)
             n.loop = StageLoop(
                 role, n.model, TimedWindow(self, n.i),
                 TimedSender(self, n.i) if role.downstream is not None else None,
@@ -118,13 +170,36 @@ class Engine:
                 n.clock, cfg.decode, NEVER, vocab=self.oracle.vocab, record_timeline=cfg.record_timeline,
             )  # fmt: skip
 
-    def _prefill(self, n: _Node) -> Callable[[int], float] | None:
+        # per stage: the slots stepped together (batched), and when the stage runs next
+        self.steppers = [
+            BatchedStage([self.nodes[s * k + i] for s in range(b)], clocks[i], self._scorer(i, shared[i]))
+            for i in range(k)
+        ]
+        self.next_run = [-math.inf] * k
+        self.done = [False] * k
+        self.rngs = [random.Random(f"{cfg.seed}:{i}") for i in range(k)]  # draws of the loop's overhead
+
+    def _scorer(self, i: int, compute: _Compute):
+        """A batched stage's forwards: each slot's logits from its oracle, the time of one
+        forward over all their tokens charged to the stage."""
+        profile = self.profiles[i]
+
+        def score(requests):
+            out = [model.logits(seq, proposal) for model, seq, proposal in requests]
+            n = sum(max(1, len(proposal)) for _, _, proposal in requests)
+            ctx = max(len(seq) for _, seq, _ in requests)
+            compute.charge(profile.forward_s(n, ctx) + profile.per_sequence_s * (len(requests) - 1))
+            return out
+
+        return score
+
+    def _prefill_of(self, i: int) -> Callable[[int], float] | None:
         cfg = self.cfg
         if not cfg.include_prefill:
             return None
         if cfg.prefill_s is not None:
-            return lambda _n_prompt: cfg.prefill_s[n.i]
-        return n.profile.prefill_s
+            return lambda _n_prompt: cfg.prefill_s[i]
+        return self.profiles[i].prefill_s
 
     @staticmethod
     def _per_pair(v: float | Sequence[float], k: int) -> list[float]:
@@ -136,15 +211,20 @@ class Engine:
         return v
 
     def lat(self, frm: int, to: int) -> float:
-        """Delay of anything stage ``frm`` publishes or sends, as seen by neighbour ``to``."""
+        """Delay of anything node ``frm`` publishes or sends, as seen by neighbour ``to``."""
+        frm, to = frm % self.k, to % self.k
         return self.down_lat[frm] if to > frm else self.up_lat[to]
 
-    def wake(self, stage: int, t: float) -> None:
+    def neighbours(self, a: int, b: int) -> bool:
+        """Nodes of adjacent stages of one slot."""
+        return 0 <= b < len(self.nodes) and a // self.k == b // self.k and abs(a - b) == 1
+
+    def wake(self, node: int, t: float) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, stage))
+        heapq.heappush(self.heap, (t, self.seq, node % self.k))
 
     def forward_end(self, i: int, t: float) -> float | None:
-        """End of stage i's forward in progress at time t, if any."""
+        """End of node i's stage's forward in progress at time t, if any."""
         for t0, t1 in reversed(self.nodes[i].model.compute.forwards):
             if t0 <= t < t1:
                 return t1
@@ -153,56 +233,80 @@ class Engine:
         return None
 
     def run(self) -> SimResult:
-        cfg = self.cfg
+        cfg, k, b = self.cfg, self.k, self.cfg.batch_size
         prompt = [1] * max(1, cfg.prompt_len)
         for n in self.nodes:  # the fresh headers every stage publishes before the start gate
-            n.loop.reset(PROMPT_SEQ)
-        starts = cfg.start_s or (0.0,) * len(self.nodes)
-        for n in self.nodes:
-            n.clock.t = starts[n.i]
+            n.loop.reset(PROMPT_SEQ + n.slot)
+        starts = cfg.start_s or (0.0,) * k
+        for n in self.nodes:  # slots prefill one after another on their stage's clock
+            if n.slot == 0:
+                n.clock.t = starts[n.stage]
             n.loop.begin(prompt, cfg.method, Greedy())
-            n.next_run = n.clock.now()
-            self.wake(n.i, n.next_run)
-        last = self.nodes[-1]
+        for i in range(k):
+            self.next_run[i] = self.nodes[i].clock.now()
+            self.wake(i, self.next_run[i])
         end_t = None
         events = 0
         while self.heap and end_t is None:
             t, _, i = heapq.heappop(self.heap)
-            n = self.nodes[i]
-            if n.done or t < n.next_run:
+            if self.done[i] or t < self.next_run[i]:
                 continue  # a wake-up while computing: the stage's next step sees it anyway
-            n.clock.t = max(n.clock.t, t)
-            step = n.loop.step()
+            clock = self.nodes[i].clock
+            clock.t = max(clock.t, t)
+            step = self._step(i)
             events += 1
             if events > cfg.max_events:
                 raise RuntimeError(f"simulation exceeded {cfg.max_events} events")
             if step is Step.DONE:
-                n.done = True
-                n.outcome = n.loop.finish()
-                if n is last:
-                    end_t = n.clock.now()
+                self.done[i] = True
+                if i == k - 1:
+                    end_t = clock.now()
                 continue
-            n.next_run = n.clock.now()
+            self.next_run[i] = clock.now()
             if step is Step.ACTED:
-                draws = n.profile.overhead_draws
-                n.next_run += n.rng.choice(draws) if draws else n.profile.overhead_s
+                draws, rng = self.profiles[i].overhead_draws, self.rngs[i]
+                self.next_run[i] += rng.choice(draws) if draws else self.profiles[i].overhead_s
             if step is not Step.WAITING:  # again at once after progress, as a rank's driver does
-                self.wake(i, n.next_run)
+                self.wake(i, self.next_run[i])
             # waiting: asleep until something it can see changes
         if end_t is None:
-            state = {n.i: (len(n.loop.out), len(n.loop.inbox.tokens), n.done) for n in self.nodes}
+            state = {
+                n.i: (len(n.loop.out), len(n.loop.inbox.tokens), n.outcome is not None) for n in self.nodes
+            }
             raise RuntimeError(f"simulation stalled before the last stage finished: {state}")
-        outcomes = [n.outcome or n.loop.finish() for n in self.nodes]
-        tokens = outcomes[-1].tokens
         wall = end_t - starts[-1]  # as the last stage measures it: from its own start
-        return SimResult(cfg.method, len(tokens), wall, tokens, self.oracle.canonical(len(tokens)), outcomes)
+        results = []
+        for s in range(b):
+            nodes = self.nodes[s * k : (s + 1) * k]
+            outcomes = [n.outcome or n.loop.finish() for n in nodes]
+            tokens = outcomes[-1].tokens
+            ref = self.oracles[s].canonical(len(tokens))
+            results.append(SimResult(cfg.method, len(tokens), wall, tokens, ref, outcomes))
+        if b == 1:
+            return results[0]
+        first = results[0]
+        return replace(first, slots=results)
+
+    def _step(self, i: int) -> Step:
+        """Stage i's step: its loop's (one slot), or its slots' batched step."""
+        if self.cfg.batch_size > 1:
+            return self.steppers[i].step()
+        n = self.nodes[i]
+        step = n.loop.step()
+        if step is Step.DONE:
+            n.outcome = n.loop.finish()
+        return step
 
 
 def simulate(
-    profiles: Sequence[LatencyProfile], acceptance: Acceptance | Sequence[float], cfg: SimConfig
+    profiles: Sequence[LatencyProfile],
+    acceptance: Acceptance | Sequence[float] | Sequence[Acceptance],
+    cfg: SimConfig,
 ) -> SimResult:
-    """Simulate one prompt: ``profiles`` per stage (last = target), acceptance per adjacent pair."""
-    if not isinstance(acceptance, Acceptance):
+    """Simulate one prompt (``cfg.batch_size`` prompts at once, batched): ``profiles`` per stage
+    (last = target), acceptance per adjacent pair (rates, an ``Acceptance``, or one ``Acceptance``
+    per slot)."""
+    if not isinstance(acceptance, Acceptance) and not (acceptance and isinstance(acceptance[0], Acceptance)):
         acceptance = Acceptance(tuple(float(a) for a in acceptance))
     return Engine(profiles, acceptance, cfg).run()
 

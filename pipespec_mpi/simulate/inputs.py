@@ -37,6 +37,10 @@ class LatencyProfile:
     max_proposal: int = StageConfig.max_proposal  # as a prompt-lookup stage proposes
     lookup_hit_rate: float = 1.0
     lookup_chain_rate: float | None = None
+    # a batched forward over m sequences costs forward_s(all their tokens) + (m - 1) * this
+    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the
+    # CPUs here, from its batched AR steps: 1 sequence 58 ms, 8 sequences of one token 96 ms)
+    per_sequence_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -102,6 +106,7 @@ class SimConfig:
     seed: int = 0
     record_timeline: bool = False
     max_events: int = 5_000_000
+    batch_size: int = 1  # prompts decoded at once, each stage's forwards batched (engine.py)
 
     def __post_init__(self) -> None:
         d = self.decode
@@ -110,6 +115,8 @@ class SimConfig:
         if self.method == "sd" and d.window("sd") < 1:
             raise ValueError(f"method=sd needs a window >= 1 (decode.lookahead={d.lookahead}, "
                              f"decode.sd_window={d.sd_window})")  # fmt: skip
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
         if d.max_new_tokens < 1 or d.max_verify < 1 or d.max_run_ahead < 1:
             raise ValueError(f"decode.max_new_tokens={d.max_new_tokens}, max_verify={d.max_verify} and "
                              f"max_run_ahead={d.max_run_ahead} must be >= 1")  # fmt: skip

@@ -40,7 +40,7 @@ class TimedWindow:
         h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
         seen_from = {}
         for j in (self.me - 1, self.me + 1):
-            if 0 <= j < len(eng.nodes):
+            if eng.neighbours(self.me, j):
                 earlier = node.versions[-1].seen_from[j] if node.versions else -math.inf
                 seen_from[j] = max(earlier, t + eng.lat(self.me, j))  # no overtaking
                 eng.wake(j, seen_from[j])

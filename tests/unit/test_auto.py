@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -181,3 +182,23 @@ def test_calibration_prompts_are_the_jobs_first_or_a_given_file(tmp_path):
     assert got == [tok.encode("def f(x):", chat=False), tok.encode("abc", chat=False)] != own
     with pytest.raises(DatasetError, match="auto.calibration_path"):
         calibration_prompts(compose_config([*base, "auto.calibration_path=/nonexistent.jsonl"]), tok)
+
+
+def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
+    """With a target whose forward cost hardly grows with rows (memory-bound), batching pays for
+    AR and speculation alike: the plan takes the largest batch; where extra rows cost as much as
+    a step (compute-bound), speculation's verification rows lose to batched AR."""
+    flat = measured(drafter_ms=4, rate=0.8)
+    plan = predict(flat, DECODE, 3, margin=0.05, seeds=(0,), batch_sizes=(1, 4))
+    assert plan.chosen.batch_size == 4 and plan.chosen.method in ("sd", "pipespec")
+    assert {o.batch_size for o in plan.options} == {1, 4}
+    assert "at batch 4" in plan.reason
+    steep = measured(drafter_ms=4, rate=0.3)
+    steep.costs[(1,)][0]["points"] = [[1, 0.040], [16, 0.040 * 16]]
+    steep.costs[(0, 1)][1]["points"] = [[1, 0.044], [16, 0.044 * 16]]
+    plan = predict(steep, DECODE, 3, margin=0.05, seeds=(0,), batch_sizes=(1, 4))
+    assert plan.chosen.method == "ar" and plan.chosen == plan.ar and "AR" in plan.reason
+    tiny = compose_config(["hierarchy=tiny"])
+    names = tuple(st.name for st in tiny.hierarchy.stages[1:])
+    batched = replace(plan.best_speculative, pipeline=names, batch_size=4)
+    assert realize(tiny, replace(plan, chosen=batched), bound=False).decode.batch_size == 4

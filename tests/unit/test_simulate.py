@@ -343,3 +343,29 @@ def test_no_stall_with_tight_run_ahead_and_message_latency(seed, run_ahead):
                 latency_s=0.3 * MS, seed=seed),
         )  # fmt: skip
         assert r.n_tokens == 48 and r.lossless
+
+
+# ------------------------------------------------------------------------------ batched stages
+def test_batched_slots_are_lossless_and_a_flat_forward_scales_throughput():
+    """B slots per stage, each its own path: every slot equals its target alone, and where a
+    forward costs the same for any number of rows (memory-bound), B sequences decode in about
+    the time of one (2.7x here: the slots are not always ready together)."""
+    flat = LatencyProfile("target", ((1, 10 * MS), (64, 10 * MS)))
+    one = simulate([DRAFT, flat], [0.7], cfg(method="pipespec", lookahead=2, max_new_tokens=60))
+    four = simulate(
+        [DRAFT, flat], [0.7], cfg(method="pipespec", lookahead=2, max_new_tokens=60, batch_size=4)
+    )
+    assert len(four.slots) == 4 and all(s.lossless and s.n_tokens == 60 for s in four.slots)
+    assert len({tuple(s.tokens) for s in four.slots}) == 4  # four different prompts
+    assert four.tokens_per_s > 2.5 * one.tokens_per_s  # slots do not always have work at once
+
+
+def test_a_compute_bound_forward_and_the_per_sequence_cost_limit_batching():
+    """AR at batch 4 over a forward whose cost grows with every row (the CPUs here) gains what
+    the profile says: 4 rows cost 10 + 3 * 2 ms, plus 3 ms for each sequence beyond the first."""
+    prof = replace(TARGET, per_sequence_s=3 * MS)
+    one = simulate([prof], (), cfg(method="ar", max_new_tokens=40))
+    four = simulate([prof], (), cfg(method="ar", max_new_tokens=40, batch_size=4))
+    assert one.wall_s == pytest.approx(40 * 10 * MS)
+    assert four.wall_s == pytest.approx(40 * (10 + 3 * 2 + 3 * 3) * MS)
+    assert four.tokens_per_s == pytest.approx(4 * 40 / four.wall_s)
