@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.overrides and not a.measure:
         ap.error(f"overrides {a.overrides} are for --measure")
     if a.measure:
-        return measure_main(a.overrides, a.ranks, a.force)
+        return measure_main(a.overrides, a.ranks, a.force, a.top)
     try:
         if a.config:
             inp = load_plan_config(a.config)
@@ -418,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
+def measure_main(overrides: Sequence[str], ranks: int, force: bool, top: int = 8) -> int:
     """``--measure``: what ``mpirun -n RANKS python -m pipespec_mpi OVERRIDES`` with
     ``hierarchy=auto`` would measure and choose here, printed, with the command that runs it."""
     from pipespec_mpi.auto.calibrate import Node, calibrate, calibration_prompts
@@ -447,7 +447,7 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool) -> int:
         got += " (" + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in cal.phases.items()) + ")"
     print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "
           f"{node.cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
-    print(plan_table(cal.plan))
+    print(plan_table(cal.plan, top))
     print(
         f"    mpirun -n {ranks} python -m pipespec_mpi {' '.join(o for o in overrides if 'force' not in o)}"
     )
