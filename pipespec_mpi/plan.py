@@ -368,13 +368,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="header reads wait for a computing stage, as with run.epochs_window=rma (default: no)",
     )
-    ap.add_argument("--top", type=int, default=3, help="configurations shown per method")
+    ap.add_argument(
+        "--top",
+        type=int,
+        default=None,
+        help="configurations per method (default 3; --measure: rows, default 8)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.overrides and not a.measure:
         ap.error(f"overrides {a.overrides} are for --measure")
     if a.measure:
-        return measure_main(a.overrides, a.ranks, a.force, a.top)
+        return measure_main(a.overrides, a.ranks, a.force, a.top or 8)
     try:
         if a.config:
             inp = load_plan_config(a.config)
@@ -398,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
         return 2
-    picked = best(cands, a.top)
+    picked = best(cands, a.top or 3)
     if a.json:
         rows = [
             {
