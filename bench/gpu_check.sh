@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU check, for a machine with one or more NVIDIA GPUs (under 5 minutes on one GPU):
+# GPU check, for a machine with one or more NVIDIA GPUs (under 10 minutes on one GPU):
 #   bash bench/gpu_check.sh
 # Runs the tiny and SmolLM2 hierarchies with 3 ranks (sharing the GPU when there is one) in
-# run.mode=benchmark and prints AR/SD/PipeSpec ms/token and busy fractions per stage, then the
-# proposal round trip per transport. NCCL cannot put two ranks on one GPU ("duplicate GPU"), so
+# run.mode=benchmark and prints AR/SD/PipeSpec ms/token and busy fractions per stage, the batch
+# sweep (tokens/s at batch 1, 2, 4, 8), then the proposal round trip per transport. NCCL cannot put two ranks on one GPU ("duplicate GPU"), so
 # with a single GPU the pipelines use transport.kind=mpi and the NCCL round trip is skipped; with two
 # or more GPUs it runs with transport.kind=nccl and measures NCCL too.
 set -euo pipefail
@@ -33,5 +33,10 @@ for H in tiny smollm2; do
     || { echo "  failed: see $OUT.$H.log"; tail -20 $OUT.$H.log; continue; }
   summary $OUT/$H
 done
+echo "== batch sweep: hierarchy=smollm2, run.batch_sizes=[1,2,4,8] (tokens/s per method and batch size)"
+# batched slots tell their links apart by tags, which NCCL ignores: the sweep runs over MPI
+timeout 400 $MPIRUN -n 3 $PY -m pipespec_mpi hierarchy=smollm2 run.mode=benchmark "run.batch_sizes=[1,2,4,8]" \
+  dataset.n_prompts=8 decode.max_new_tokens=64 transport.kind=mpi run.progress=false hydra.run.dir=$OUT/batch \
+  > $OUT.batch.log 2>&1 && grep -A13 "^method" $OUT.batch.log || { echo "  failed: see $OUT.batch.log"; tail -20 $OUT.batch.log; }
 echo "== proposal round trip and window reads (2 ranks)"
 timeout 120 $MPIRUN -n 2 $PY bench/comm_latency.py --iters 1000

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipespec_mpi.errors import UserError
@@ -166,6 +166,16 @@ class DecodeConfig:
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
     # its share of the replica's prompts, one after another; the forwards of the slots that have
     # one run together (the weights read once for all rows)
+    batch_verify_rows: int | None = 16  # batched: each slot verifies at most rows // B - 1 tokens
+    # (its window too), so that every slot's verification fits one forward of this many rows; a
+    # CPU forward grows with its rows beyond ~8 (compute-bound), so wide verifications of many
+    # slots cost the target more than the proposals save; null: decode.max_verify alone
+
+    def for_batch(self, batch: int) -> DecodeConfig:
+        """These settings for a stage of ``batch`` slots (``batch_verify_rows``)."""
+        if batch <= 1 or self.batch_verify_rows is None:
+            return self
+        return replace(self, max_verify=max(1, min(self.max_verify, self.batch_verify_rows // batch - 1)))
 
     def window(self, method: str) -> int:
         """Proposals a verifier waits for under ``method``: SD's fixed window, else the lookahead."""
@@ -465,6 +475,8 @@ def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
     if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
         p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, decode.lookahead="
                  f"{d.lookahead}, decode.sd_window={d.sd_window})")  # fmt: skip
+    if d.batch_verify_rows is not None and (not _int(d.batch_verify_rows) or d.batch_verify_rows < 2):
+        p.append(f"decode.batch_verify_rows={d.batch_verify_rows}: must be null or an integer >= 2")
     if not _int(d.batch_size) or not 1 <= d.batch_size <= 64:
         p.append(f"decode.batch_size={d.batch_size}: must be an integer in 1..64")
     if sd_needed and d.sd_window is None and d.lookahead == 0:

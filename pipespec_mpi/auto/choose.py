@@ -295,7 +295,8 @@ def predict(
             p = tuple(m.stages.index(name) for name in o.pipeline)
             key = "sd_window" if o.method == "sd" else "lookahead"
             d = replace(decode, **{key: o.window, "max_run_ahead": o.run_ahead or decode.max_run_ahead})
-            ms = simulated_ms(m, p, replace(base, method=o.method, decode=d, batch_size=b), seeds)
+            run = replace(base, method=o.method, decode=d.for_batch(b), batch_size=b)
+            ms = simulated_ms(m, p, run, seeds)
             batched.append(replace(o, ms_per_token=ms, speedup=ar_ms / ms, batch_size=b))
     options = sorted(options + batched, key=lambda o: o.ms_per_token)
     best = options[0] if options else None

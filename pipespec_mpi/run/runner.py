@@ -95,6 +95,8 @@ class Runner:
         groups = phases(jobs)
         for g, group in enumerate(groups):
             b = min(group[0].batch_size, len(group))
+            for loop in loops:
+                loop.cfg = cfg.decode.for_batch(group[0].batch_size)
             slots = [slot(s, group[s :: group[0].batch_size], b == 1) for s in range(b)]
             stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
             try:

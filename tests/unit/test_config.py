@@ -124,3 +124,13 @@ def test_batch_sizes_are_checked_with_their_keys():
     assert "decode.batch_size=0" in msg and "run.batch_sizes=[2, 0]" in msg and "run.mode=benchmark" in msg
     with pytest.raises(ConfigError, match="nccl"):
         compose_config(["decode.batch_size=2", "transport.kind=nccl"])
+
+
+def test_a_batched_stage_verifies_within_its_row_budget():
+    d = DecodeConfig()  # max_verify 16, batch_verify_rows 16
+    assert d.for_batch(1) is d
+    assert [d.for_batch(b).max_verify for b in (2, 4, 8, 16)] == [7, 3, 1, 1]
+    assert DecodeConfig(batch_verify_rows=None).for_batch(8).max_verify == 16
+    assert DecodeConfig(max_verify=2).for_batch(2).max_verify == 2
+    with pytest.raises(ConfigError, match="decode.batch_verify_rows=1"):
+        compose_config(["decode.batch_verify_rows=1"])
