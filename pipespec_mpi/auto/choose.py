@@ -300,11 +300,15 @@ def predict(
             batched.append(replace(o, ms_per_token=ms, speedup=ar_ms / ms, batch_size=b))
     options = sorted(options + batched, key=lambda o: o.ms_per_token)
     best = options[0] if options else None
-    vs = "AR" if ar.batch_size == 1 else f"AR at batch {ar.batch_size}"
-    at = lambda o: "" if o.batch_size == 1 else f" at batch {o.batch_size}"  # noqa: E731
+    # with batch sizes to choose from, throughputs are compared: the best AR is at its best size
+    by_throughput = len(ars) > 1
+    vs = f"the best AR's throughput (batch {ar.batch_size})" if by_throughput else "AR"
+    at = lambda o: f" at batch {o.batch_size}" if by_throughput else ""  # noqa: E731
     if best is not None and best.ms_per_token * (1 + margin) <= ar.ms_per_token:
         gain = ar.ms_per_token / best.ms_per_token
-        chosen, reason = best, f"predicted {gain:.2f}x {vs}{at(best)} (>= 1 + margin {margin})"
+        chosen = best
+        reason = f"predicted {gain:.2f}x {vs}" + (f" with {best.method}{at(best)}" if by_throughput else "")
+        reason += f" (>= 1 + margin {margin})"
     else:
         chosen = ar
         reason = (

@@ -52,3 +52,21 @@ def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path):
     assert {r["method"] for r in recs} == {"ar"} and outputs(recs) == ar
     logs = "".join(p.read_text() for p in (tmp_path / "auto").glob("rank*.log"))
     assert "rank 1 is spare" in logs and "rank 2 is spare" in logs
+
+
+def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path):
+    """auto.batch_sizes: the plan weighs every method at batch 1 and 3 by throughput, the job
+    decodes at the chosen size, losslessly, and plan.json says which and why."""
+    cache = f"auto.cache_dir={tmp_path / 'cache'}"
+    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
+    recs = launch_ok(
+        3, [*TINY, "hierarchy.choose=true", "auto.batch_sizes=[1,3]", *QUICK, cache], tmp_path / "auto"
+    )
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    chosen = plan["chosen"]
+    assert chosen["batch_size"] in (1, 3)
+    assert {o["batch_size"] for o in plan["options"]} == {1, 3}
+    assert {(r["method"], r["batch_size"]) for r in recs} == {(chosen["method"], chosen["batch_size"])}
+    assert outputs(recs) == ar
+    if chosen["batch_size"] == 3:
+        assert "with " + chosen["method"] + " at batch 3" in plan["reason"]

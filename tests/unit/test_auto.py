@@ -192,7 +192,7 @@ def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
     plan = predict(flat, DECODE, 3, margin=0.05, seeds=(0,), batch_sizes=(1, 4))
     assert plan.chosen.batch_size == 4 and plan.chosen.method in ("sd", "pipespec")
     assert {o.batch_size for o in plan.options} == {1, 4}
-    assert "at batch 4" in plan.reason
+    assert "at batch 4" in plan.reason and "best AR" in plan.reason
     steep = measured(drafter_ms=4, rate=0.3)
     steep.costs[(1,)][0]["points"] = [[1, 0.040], [16, 0.040 * 16]]
     steep.costs[(0, 1)][1]["points"] = [[1, 0.044], [16, 0.044 * 16]]
