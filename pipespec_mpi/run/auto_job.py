@@ -20,6 +20,7 @@ from pipespec_mpi.auto.choose import realize, table
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.metrics import group_key
 from pipespec_mpi.records import SUMMARY, read_summary
 
 log = logging.getLogger("pipespec_mpi")
@@ -92,13 +93,15 @@ def add_measured(run_dir: Path, record: dict) -> None:
     measured = {m: s.ms_per_token for m, s in read_summary(run_dir / SUMMARY).items()}
     record = {**record, "measured_ms_per_token": measured}
     chosen = record["chosen"]
-    got = measured.get(chosen["method"])
+    key = group_key(chosen["method"], chosen.get("batch_size", 1))
+    got = measured.get(key)
     if got:
         record["measured_vs_predicted"] = round(got / chosen["ms_per_token"], 3)
-        if "ar" in measured and measured["ar"]:
-            record["measured_speedup"] = round(measured["ar"] / got, 3)
+        ar = measured.get(group_key("ar", chosen.get("batch_size", 1)))
+        if ar:
+            record["measured_speedup"] = round(ar / got, 3)
         print(
-            f"[pipespec_mpi] auto: {chosen['method']} measured {got:.2f} ms/token, predicted "
+            f"[pipespec_mpi] auto: {key} measured {got:.2f} ms/token, predicted "
             f"{chosen['ms_per_token']:.2f} (AR predicted {record['ar']['ms_per_token']:.2f})",
             flush=True,
         )

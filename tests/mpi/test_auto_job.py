@@ -68,5 +68,6 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path):
     assert {o["batch_size"] for o in plan["options"]} == {1, 3}
     assert {(r["method"], r["batch_size"]) for r in recs} == {(chosen["method"], chosen["batch_size"])}
     assert outputs(recs) == ar
+    assert plan["measured_vs_predicted"] > 0  # the measured group (method at its batch size) was found
     if chosen["batch_size"] == 3:
         assert "with " + chosen["method"] + " at batch 3" in plan["reason"]
