@@ -94,7 +94,7 @@ def per_sequence_s(model, context: Sequence[int], repeats: int) -> float:
     layers), over BATCH - 1; 0 where the model does not batch (one forward per sequence)."""
     from pipespec_mpi.models.base import KVScorer, score_batch
 
-    if not isinstance(model, KVScorer) or model._lean is None or not model._lean.batchable:
+    if not isinstance(model, KVScorer) or not model.batchable:
         return 0.0
     base = len(context)
     slots = [model] + [model.for_slot() for _ in range(BATCH - 1)]

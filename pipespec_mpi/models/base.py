@@ -72,6 +72,11 @@ class KVScorer:
             self._cache.crop(length - self._len)  # transformers 5: negative = tokens to remove
             self._len = length
 
+    @property
+    def batchable(self) -> bool:
+        """Its slots' forwards can run as one (a lean forward with ``forward_batch``)."""
+        return self._lean is not None and self._lean.batchable
+
     def for_slot(self) -> KVScorer:
         """Another sequence on the same weights (a slot of batched decoding): shares this
         scorer's model and lean forward, owns its KV cache."""
@@ -120,8 +125,8 @@ def score_batch(requests: Sequence[Request]) -> list[torch.Tensor]:
         group.clear()
 
     for i, (sc, seq, proposal) in enumerate(requests):
-        lean = getattr(sc, "_lean", None)
-        batchable = isinstance(sc, KVScorer) and lean is not None and lean.batchable
+        batchable = isinstance(sc, KVScorer) and sc.batchable
+        lean = sc._lean if batchable else None
         new = sc._new_tokens(seq, proposal) if batchable else []
         if not batchable or len(new) > lean.fuse_rows:
             out[i] = sc.logits(seq, proposal)

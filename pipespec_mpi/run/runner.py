@@ -10,6 +10,7 @@ forwards run together. A replica's phases are separated by a barrier of its rank
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -91,25 +92,7 @@ class Runner:
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
             )  # fmt: skip
 
-        done = left = 0
-        groups = phases(jobs)
-        for g, group in enumerate(groups):
-            b = min(group[0].batch_size, len(group))
-            for loop in loops:
-                loop.cfg = cfg.decode.for_batch(group[0].batch_size)
-            slots = [slot(s, group[s :: group[0].batch_size], b == 1) for s in range(b)]
-            stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
-            try:
-                drive(stepper, cfg.run.stall_timeout_s)
-            except StallError as err:
-                raise StallError(f"{err}{self._culprits(links)}") from err
-            done += sum(p.jobs_done for p in slots)
-            left += sum(p.jobs_left for p in slots)
-            if left:  # the replica agreed to stop (the same vote on each of its stages)
-                left += sum(len(later) for later in groups[g + 1 :])
-                break
-            if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it
-                self._barrier(loops, f"phase {g + 1} of replica {pl.replica} to end", links.replica_comm)
+        done, left = self._decode(phases(jobs), loops, slot, links)
         if collector is not None:
             collector.close()
         self._barrier(loops, "all replicas to finish")
@@ -135,6 +118,36 @@ class Runner:
             ln.close(cfg.run.stall_timeout_s)
         stop.close()
         return exit_code(left, finished)
+
+    def _decode(
+        self,
+        groups: list[list[Job]],
+        loops: list[StageLoop],
+        slot: Callable[[int, list[Job], bool], StageProcess],
+        links: setup.Links,
+    ) -> tuple[int, int]:
+        """Drive the stage over the phases (``slot(s, jobs, alone)`` builds slot s's process):
+        one slot alone at batch 1, a ``BatchedStage`` over B slots else. Returns the jobs handed
+        over and those not started (the replica agreed to stop: later phases are not started)."""
+        done = left = 0
+        for g, group in enumerate(groups):
+            size = group[0].batch_size
+            b = min(size, len(group))
+            for loop in loops:  # between phases: no prompt is in flight
+                loop.cfg = self.cfg.decode.for_batch(size)
+            slots = [slot(s, group[s::size], b == 1) for s in range(b)]
+            stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
+            try:
+                drive(stepper, self.cfg.run.stall_timeout_s)
+            except StallError as err:
+                raise StallError(f"{err}{self._culprits(links)}") from err
+            done += sum(p.jobs_done for p in slots)
+            left += sum(p.jobs_left for p in slots)
+            if left:  # the replica agreed to stop (the same vote on each of its stages)
+                return done, left + sum(len(later) for later in groups[g + 1 :])
+            if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it
+                self._barrier(loops, f"phase {g + 1} of replica {self.pl.replica} to end", links.replica_comm)
+        return done, left
 
     def _done(self) -> set[JobKey]:
         """What a resumed run already finished, read by rank 0 for every rank (an unreadable
