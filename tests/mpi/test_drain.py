@@ -25,7 +25,7 @@ OVERRIDES = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=10", "dec
 
 
 def key(r: dict) -> tuple:
-    return (r["prompt_id"], r["method"], r["warmup"], r["sample_idx"])
+    return (r["prompt_id"], r["method"], r["warmup"], r["sample_idx"], r["batch_size"])
 
 
 def start(n: int, run_dir: Path, extra: list[str]) -> subprocess.Popen:
@@ -50,12 +50,16 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in kids if "pipespec_mpi" in " ".join(p.cmdline()) and "python" in p.name()]
 
 
-@pytest.mark.parametrize("how,n", [("signal", 6), ("file", 3)])
-def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n):
-    full = launch_ok(n, [*OVERRIDES], tmp_path / "full")
+@pytest.mark.parametrize(
+    "how,n,extra", [("signal", 6, []), ("file", 3, []), ("file", 3, ["run.batch_sizes=[1,3]"])]
+)
+def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n, extra):
+    """(With a batch sweep: the stop may come in the batched phase, where each slot votes at its
+    own gate; the phases not started are left, and the resumed run decodes them.)"""
+    full = launch_ok(n, [*OVERRIDES, *extra], tmp_path / "full")
     run_dir = tmp_path / "stopped"
-    proc = start(n, run_dir, [])
-    wait_for_records(run_dir, 2, proc)
+    proc = start(n, run_dir, extra)
+    wait_for_records(run_dir, 25 if extra else 2, proc)  # batched: into the first batched phase
     if how == "signal":
         ranks = ranks_of(proc)
         assert len(ranks) == n
@@ -67,8 +71,10 @@ def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n):
     assert "stopped on request" in out and "run.resume=true" in out
     first = read_results(run_dir)
     assert 0 < len(first) < len(full)
+    if extra:
+        assert any(r["batch_size"] == 3 for r in first)
     want = {key(r): r["output_ids"] for r in full}
     assert all(want[key(r)] == r["output_ids"] for r in first)  # whole prompts, right ones
-    resumed = launch_ok(n, [*OVERRIDES, "run.resume=true"], run_dir)
+    resumed = launch_ok(n, [*OVERRIDES, *extra, "run.resume=true"], run_dir)
     assert {key(r): r["output_ids"] for r in resumed} == want
     assert not (run_dir / "STOP").exists()
