@@ -277,15 +277,12 @@ def throughput_vs_batch(sweeps: Mapping[str, Sequence[Mapping]], title: str, pat
         xs = [r["batch_size"] for r in rows]
         sizes.update(xs)
         ax_t.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", color=color, label=label)
-        lat = [(r["batch_size"], r["sequence_ms_per_token"].get("p50")) for r in rows]
-        lat = [(x, y) for x, y in lat if y is not None]
-        if lat:
-            ax_l.plot(*zip(*lat, strict=True), marker="o", color=color, label=f"{label}: p50")
-        p90 = [(r["batch_size"], r["sequence_ms_per_token"].get("p90")) for r in rows]
-        p90 = [(x, y) for x, y in p90 if y is not None]
-        if p90:
-            ax_l.plot(*zip(*p90, strict=True), marker="x", linestyle=":", color=color, alpha=0.7,
-                      label=f"{label}: p90")  # fmt: skip
+        for q, marker, style in (("p50", "o", "-"), ("p90", "x", ":")):
+            pts = [(r["batch_size"], r["sequence_ms_per_token"].get(q)) for r in rows]
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax_l.plot(*zip(*pts, strict=True), marker=marker, linestyle=style, color=color,
+                          alpha=1.0 if q == "p50" else 0.7, label=f"{label}: {q}")  # fmt: skip
     ax_t.set_ylabel("throughput (tokens/s, all sequences)")
     ax_l.set_ylabel("latency (ms/token of each sequence)")
     ax_t.set_title("Throughput (higher is better)", fontsize=10)
