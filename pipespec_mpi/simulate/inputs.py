@@ -38,7 +38,8 @@ class LatencyProfile:
     lookup_hit_rate: float = 1.0
     lookup_chain_rate: float | None = None
     # a batched forward over m sequences costs forward_s(all their tokens) + (m - 1) * this
-    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the
+    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the 2-core
+    # Xeon-AMX of 2026-12-01,
     # CPUs here, from its batched AR steps: 1 sequence 58 ms, 8 sequences of one token 96 ms)
     per_sequence_s: float = 0.0
 
