@@ -38,9 +38,9 @@ class LatencyProfile:
     lookup_hit_rate: float = 1.0
     lookup_chain_rate: float | None = None
     # a batched forward over m sequences costs forward_s(all their tokens) + (m - 1) * this
-    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the 2-core
-    # Xeon-AMX of 2026-12-01,
-    # CPUs here, from its batched AR steps: 1 sequence 58 ms, 8 sequences of one token 96 ms)
+    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the
+    # 2-core Xeon-AMX of 2026-12-01, from its batched AR steps: 1 sequence 58 ms, 8 sequences of
+    # one token 96 ms, where 8 rows of one sequence cost about 1.25x a step)
     per_sequence_s: float = 0.0
 
     def __post_init__(self) -> None:
