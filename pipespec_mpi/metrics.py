@@ -52,14 +52,20 @@ def acceptance(trace: Sequence[Sequence[int]]) -> PairAcceptance:
     )
 
 
+def percentiles(xs: Sequence[float], qs: Sequence[int]) -> dict[str, float]:
+    """``p<q>`` of ``xs`` for each q in percent: linear interpolation between the closest ranks
+    (``statistics.quantiles``' inclusive method, numpy's default); the value itself for one."""
+    if len(xs) < 2:
+        return {f"p{q}": xs[0] for q in qs}
+    cuts = statistics.quantiles(xs, n=100, method="inclusive")
+    return {f"p{q}": cuts[q - 1] for q in qs}
+
+
 def latency_percentiles_ms(latencies_s: Sequence[float]) -> dict[str, float]:
-    """p50/p90/p99 of per-token latencies, in ms: linear interpolation between the closest ranks
-    (``statistics.quantiles``' inclusive method, numpy's default); 0 without latencies."""
-    if len(latencies_s) < 2:
-        value = 1000 * latencies_s[0] if latencies_s else 0.0
-        return {f"p{q}": value for q in PERCENTILES}
-    cuts = statistics.quantiles(latencies_s, n=100, method="inclusive")
-    return {f"p{q}": 1000 * cuts[q - 1] for q in PERCENTILES}
+    """p50/p90/p99 of per-token latencies, in ms (``percentiles``); 0 without latencies."""
+    if not latencies_s:
+        return {f"p{q}": 0.0 for q in PERCENTILES}
+    return {k: 1000 * v for k, v in percentiles(latencies_s, PERCENTILES).items()}
 
 
 def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
@@ -93,13 +99,6 @@ def decoding_wall_s(rs: Sequence[Record]) -> float:
         start = min(r.stages[-1].t0_perf_counter for r in mine)
         span += max(r.stages[-1].t0_perf_counter + r.wall_s for r in mine) - start
     return span
-
-
-def _percentiles(xs: Sequence[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    cuts = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) > 1 else [xs[0]] * 9
-    return {"p50": statistics.median(xs), "p90": cuts[8], "mean": statistics.fmean(xs)}
 
 
 def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
@@ -142,10 +141,15 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
             stages=stages,
             peak_rss_mb=[max(r.stages[s].peak_rss_mb for r in rs) for s in range(n_stages)],
             batch_size=rs[0].batch_size,
-            sequence_ms_per_token=_percentiles([r.ms_per_token for r in rs if r.n_new_tokens]),
+            sequence_ms_per_token=_sequence_ms([r.ms_per_token for r in rs if r.n_new_tokens]),
             **_energy(rs, tokens),
         )
     return out
+
+
+def _sequence_ms(xs: list[float]) -> dict[str, float]:
+    """Each sequence's own ms/token: p50, p90, mean (empty without sequences)."""
+    return {**percentiles(xs, (50, 90)), "mean": statistics.fmean(xs)} if xs else {}
 
 
 def _energy(rs: list[Record], tokens: int) -> dict:

@@ -141,8 +141,8 @@ class Runner:
                 drive(stepper, self.cfg.run.stall_timeout_s)
             except StallError as err:
                 raise StallError(f"{err}{self._culprits(links)}") from err
-            done += sum(p.jobs_done for p in slots)
-            left += sum(p.jobs_left for p in slots)
+            done += stepper.jobs_done
+            left += stepper.jobs_left
             if left:  # the replica agreed to stop (the same vote on each of its stages)
                 return done, left + sum(len(later) for later in groups[g + 1 :])
             if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it

@@ -83,13 +83,11 @@ class _Node:
     """One simulated stage (of one slot): its loop, clock, model, published headers and incoming
     proposals. The slots of a stage share its clock (``clock``) and step together."""
 
-    def __init__(
-        self, engine: Engine, i: int, profile: LatencyProfile, clock: SimClock | None = None
-    ) -> None:
+    def __init__(self, engine: Engine, i: int, profile: LatencyProfile, clock: SimClock) -> None:
         self.i, self.profile = i, profile
         self.k = len(engine.profiles)
         self.stage, self.slot = i % self.k, i // self.k
-        self.clock = clock or SimClock(-math.inf)
+        self.clock = clock
         self.versions: list[Version] = []
         self.inflight: deque[tuple[float, Proposal]] = deque()
         self.model = None  # set by the engine
@@ -122,11 +120,11 @@ class Engine:
         accs = list(acceptance) if not isinstance(acceptance, Acceptance) else [acceptance]
         if not 1 <= len(accs) <= b:
             raise ValueError(f"batch_size={b}: one acceptance, or one per slot; got {len(accs)}")
-        acceptance = accs[0]
         if k < 1:
             raise ValueError("need at least one stage")
-        if len(acceptance.rates) != k - 1:
-            raise ValueError(f"{k} stages need {k - 1} acceptance rates, got {acceptance.rates}")
+        for acc in accs:
+            if len(acc.rates) != k - 1:
+                raise ValueError(f"{k} stages need {k - 1} acceptance rates, got {acc.rates}")
         if profiles[-1].kind == "lookup":
             raise ValueError("the last stage must be a model")
         if any(p.kind == "lookup" for p in profiles[1:]):
@@ -292,10 +290,8 @@ class Engine:
         if self.cfg.batch_size > 1:
             return self.steppers[i].step()
         n = self.nodes[i]
-        step = n.loop.step()
-        if step is Step.DONE:
-            n.outcome = n.loop.finish()
-        return step
+        s = n.advance()  # finishes the loop at DONE, as in a batch
+        return n.loop.run_forward(s) if isinstance(s, Forward) else s
 
 
 def simulate(

@@ -1,13 +1,14 @@
 """Batched decoding on one stage: B sequences in flight (slots), their forwards run together.
 
 A slot is one ``StageProcess`` over its own jobs, with its own stage loop, KV cache, epochs
-header and proposal link (run/slots.py gives each slot its own window, tagged channels and
-communicators): per sequence, the protocol is exactly the one-sequence protocol the schedule
-explorer checks. What the slots share is the model: ``BatchedStage.step`` advances every live
-slot to its forward (``StageProcess.advance``), runs the forwards it collected as one batched
-call (``score``: models/base.py ``score_batch``, the weights read once for all rows) and hands
-each slot its logits (``complete``). A slot that waits (for its upstream, a gate, a handoff)
-costs the others nothing: it is simply not in the batch.
+header and proposal link (run/setup.py ``connect(..., slot=s)`` gives each slot its own window,
+tagged channels and communicators): per sequence, the protocol is exactly the one-sequence
+protocol the schedule explorer checks. What the slots share is the model:
+``BatchedStage.step`` advances every live slot to its forward (``StageProcess.advance``), runs
+the forwards it collected as one batched call (``score``: models/base.py ``score_batch``, the
+weights read once for all rows) and hands each slot its logits (``complete``). A slot that
+waits (for its upstream, a gate, a handoff) costs the others nothing: it is simply not in the
+batch.
 
 Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` would make; only
 when it happens changes, which the protocol already tolerates.
