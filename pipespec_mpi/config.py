@@ -31,7 +31,8 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # what ``python -m p
 METHODS = ("ar", "sd", "pipespec")
 MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
-STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup")
+STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup", "suffix")
+DRAFTER_KINDS = ("prompt_lookup", "suffix")  # model-free: no weights, only stage 0
 WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/lowbit.py FORMATS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
@@ -81,6 +82,10 @@ class StageConfig:
                     accumulation float32; or ``w8a8``: int8 activations per row as well, integer
                     dot products (models/lowbit.py).
       prompt_lookup model-free n-gram drafter (may only head a hierarchy).
+      suffix        model-free suffix drafter over the prompt and sequence, the job's finished
+                    outputs (``store_tokens``) and an optional ``corpus`` text file; drafts the
+                    most frequent continuation of the longest match, cut where its estimated
+                    survival falls below ``min_survival`` (models/suffix.py; only stage 0).
     """
 
     name: str
@@ -99,7 +104,11 @@ class StageConfig:
     weights: str = "int8"  # lowbit_copy: the stored format (WEIGHT_FORMATS); int8 by measurement
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     ngram: int = 3
-    max_proposal: int = 8
+    max_proposal: int = 8  # prompt_lookup, suffix: most tokens per proposal
+    max_match: int = 16  # suffix: longest suffix matched
+    min_survival: float = 0.1  # suffix: a draft stops before a token likelier than this to be rejected
+    store_tokens: int = 200_000  # suffix: the job store's bound (finished outputs, oldest dropped)
+    corpus: str | None = None  # suffix: a text file drafted from as well (paragraphs as documents)
 
 
 @dataclass
@@ -162,6 +171,8 @@ class DecodeConfig:
     max_run_ahead: int = 8  # how far a stage may run ahead of its verifier's committed tokens (work
     # beyond a rejection is lost and, on shared cores, slows the verifier)
     max_verify: int = 16  # most proposal tokens verified in one forward
+    wait_for_drafter: bool = True  # PipeSpec, lookahead 0: a verifier fed by a model-free drafter
+    # waits for its proposal (or its word that it has none) instead of stepping on its own
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
     # its share of the replica's prompts, one after another; the forwards of the slots that have
@@ -355,10 +366,18 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}.model: required for kind={s.kind} (a hub id or a local path)")
         if s.kind == "gguf" and not s.gguf_file:
             p.append(f"{where}.gguf_file: required for kind=gguf")
-        if s.kind == "prompt_lookup" and i != 0:
-            p.append(f"{where}: prompt_lookup has no model to verify with; it can only be stage 0")
+        if s.kind in DRAFTER_KINDS and i != 0:
+            p.append(f"{where}: {s.kind} has no model to verify with; it can only be stage 0")
         if s.kind == "prompt_lookup" and (s.ngram < 1 or s.max_proposal < 1):
             p.append(f"{where}: ngram={s.ngram} and max_proposal={s.max_proposal} must be >= 1")
+        if s.kind == "suffix":
+            if s.max_proposal < 1 or s.max_match < 1 or s.store_tokens < 0:
+                p.append(f"{where}: max_proposal={s.max_proposal}, max_match={s.max_match} must be "
+                         f">= 1 and store_tokens={s.store_tokens} >= 0")  # fmt: skip
+            if not 0.0 <= s.min_survival < 1.0:
+                p.append(f"{where}.min_survival={s.min_survival}: must be in [0, 1)")
+            if s.corpus is not None and not Path(s.corpus).is_file():
+                p.append(f"{where}.corpus={s.corpus!r}: no such file")
         if s.kind == "lowbit_copy" and s.weights not in WEIGHT_FORMATS:
             p.append(f"{where}.weights={s.weights!r}: must be one of {WEIGHT_FORMATS}")
         if s.kind in ("int8_copy", "lowbit_copy") and (
@@ -373,7 +392,7 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}.n_gpus={s.n_gpus}: must be >= 1")
         if s.threads is not None and s.threads < 1:
             p.append(f"{where}.threads={s.threads}: must be >= 1")
-    if h.stages and h.stages[-1].kind == "prompt_lookup":
+    if h.stages and h.stages[-1].kind in DRAFTER_KINDS:
         p.append("hierarchy: the last stage must be a model (it produces the answer)")
     if h.tokenizer.kind not in TOKENIZER_KINDS:
         p.append(f"hierarchy.tokenizer.kind={h.tokenizer.kind!r}: must be one of {TOKENIZER_KINDS}")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pipespec_mpi import simulate as sim
 from pipespec_mpi.auto.measure import Agreement
-from pipespec_mpi.config import AppConfig, DecodeConfig, HierarchyConfig, StageConfig
+from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, DecodeConfig, HierarchyConfig, StageConfig
 
 Pipeline = tuple[int, ...]  # stage indices of the candidate hierarchy, smallest first, target last
 
@@ -35,7 +35,7 @@ def candidates(stages: Sequence[StageConfig], max_stages: int) -> list[Pipeline]
     for k in range(0, min(max_stages, len(stages))):
         for drafters in itertools.combinations(range(last), k):
             p = (*drafters, last)
-            if any(stages[i].kind == "prompt_lookup" for i in p[1:]):
+            if any(stages[i].kind in DRAFTER_KINDS for i in p[1:]):
                 continue
             if any(stages[i].copy_of is not None and stages[i].copy_of not in p for i in p):
                 continue
@@ -153,7 +153,7 @@ def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
     for s, cost in zip(p, m.costs[p]):
         points = tuple((float(n), float(t)) for n, t in cost["points"])
         prefill = cost.get("prefill_s", 0.0) / cost["context"] if cost.get("context") else 0.0
-        if m.kinds[s] == "prompt_lookup":
+        if m.kinds[s] in DRAFTER_KINDS:
             hit, chain = lookup_rates(m.agreement, s)
             out.append(sim.LatencyProfile(
                 name=m.stages[s], points=points, kind="lookup", max_proposal=m.max_proposal[s],
@@ -181,12 +181,12 @@ def replay(m: Measured, p: Pipeline, prompt: int, method: str, window: int) -> s
     traces = []
     for a, b in zip(p, p[1:]):
         theirs = ag.tokens_of(b, prompt)
-        if m.kinds[a] == "prompt_lookup":
+        if m.kinds[a] in DRAFTER_KINDS:
             traces.append(run_trace(ag.proposals[a][prompt], theirs, method, window))
         else:
             traces.append({i: tok == theirs[i] for i, tok in enumerate(ag.first(a, prompt)) if tok >= 0})
     lookup = None
-    if m.kinds[p[0]] == "prompt_lookup":
+    if m.kinds[p[0]] in DRAFTER_KINDS:
         lookup = {i: len(run) for i, run in enumerate(ag.proposals[p[0]][prompt])}
     return sim.Acceptance(rates=iid, traces=tuple(traces), lookup=lookup)
 

@@ -32,7 +32,6 @@ import torch
 
 from pipespec_mpi.comm.wait import Backoff
 from pipespec_mpi.config import HierarchyConfig, StageConfig, TinyBaseConfig, TokenizerConfig
-from pipespec_mpi.models.prompt_lookup import PromptLookup
 
 
 def hierarchy_from(node: dict) -> HierarchyConfig:
@@ -56,11 +55,17 @@ def stop_requested() -> bool:
     return bool(ready) and sys.stdin.readline().strip() == "stop"
 
 
+def is_drafter(model) -> bool:
+    """A model-free stage (``Proposer``: prompt lookup, suffix drafting)."""
+    return not hasattr(model, "logits")
+
+
 def time_forwards(model, context: Sequence[int], token_counts: Sequence[int], repeats: int) -> dict:
     """``points``: median seconds of one forward over n new tokens after ``context``, for each n (a
     lookup stage: one proposal); ``prefill_s``: encoding the ``context`` tokens before."""
-    if isinstance(model, PromptLookup):
+    if is_drafter(model):
         seq = list(context)
+        model.prefill(seq)
         t0 = time.perf_counter()
         for _ in range(repeats * 20):
             model.propose(seq, model.max_proposal)
@@ -118,7 +123,7 @@ def keep_busy(model, context: Sequence[int]) -> None:
     """Until the parent says stop: one-token forwards, as a drafting model stage runs; a lookup
     stage's proposals and wake-ups, as its loop waits for its verifier (on 2 cores shared by 3
     ranks those wake-ups are what a lookup stage costs its neighbours)."""
-    if isinstance(model, PromptLookup):  # as the stage loop waits: propose, poll with backoff
+    if is_drafter(model):  # as the stage loop waits: propose, poll with backoff
         backoff = Backoff()
         while not stop_requested():
             model.propose(context, model.max_proposal)
@@ -146,9 +151,13 @@ def greedy_path(model, prompt: Sequence[int], tokens: int, eos: int | None) -> l
 def proposals_along(model, prompt: Sequence[int], path: Sequence[int]) -> list[list[int]]:
     """At each position i of ``path``, with prompt + path[:i] as context, what ``model`` proposes:
     a model its argmax (one token), a lookup stage its whole continuation (maybe none)."""
-    if isinstance(model, PromptLookup):
-        seq = list(prompt) + list(path)
-        return [model.propose(seq[: len(prompt) + i], model.max_proposal) for i in range(len(path))]
+    if is_drafter(model):  # every path token committed as it comes; the path then joins the
+        seq = list(prompt) + list(path)  # drafter's job store, as a finished sequence does
+        model.prefill(prompt, room=len(path) + 2, store_key="pipespec")
+        n = len(prompt)
+        got = [model.propose(seq[: n + i], model.max_proposal, confirmed=n + i) for i in range(len(path))]
+        model.end_sequence(path)
+        return got
     model.prefill(prompt, room=len(path) + 2)
     rows = model.logits(list(prompt), list(path[:-1]))  # [len(path), V]: one teacher-forced forward
     return [[int(t)] for t in rows.argmax(-1)]

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from pipespec_mpi.config import HierarchyConfig, StageConfig, TokenizerConfig
+from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig, StageConfig, TokenizerConfig
 from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.base import KVScorer
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
+from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pipespec_mpi.stage.ports import Proposer, Scorer
 
@@ -134,6 +135,8 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     stage = hier.stages[index]
     if stage.kind == "prompt_lookup":
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
+    if stage.kind == "suffix":
+        return _suffix_drafter(hier, stage)
     device = resolve_device(stage, cuda_devices)
     if stage.kind in ("int8_copy", "lowbit_copy"):
         device = torch.device("cpu")
@@ -145,6 +148,17 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
 
         use_flat_linear(model)
     return KVScorer(stage.name, model, device)
+
+
+def _suffix_drafter(hier: HierarchyConfig, stage: StageConfig) -> SuffixDrafter:
+    corpus = None
+    if stage.corpus:
+        tok = load_tokenizer(hier.tokenizer, hier.name)
+        corpus = read_corpus(stage.corpus, tok.encode, stage.store_tokens)
+    return SuffixDrafter(
+        stage.name, max_proposal=stage.max_proposal, max_match=stage.max_match,
+        min_survival=stage.min_survival, store_tokens=stage.store_tokens, corpus=corpus,
+    )  # fmt: skip
 
 
 def load_tokenizer(cfg: TokenizerConfig, hier_name: str) -> Tokenizer:
@@ -168,7 +182,7 @@ def load_tokenizer(cfg: TokenizerConfig, hier_name: str) -> Tokenizer:
 def stage_tokenizer(hier: HierarchyConfig, index: int) -> Tokenizer | None:
     """The tokenizer that ships with stage ``index``'s weights (None for model-free stages)."""
     stage = hier.stages[index]
-    if stage.kind == "prompt_lookup":
+    if stage.kind in DRAFTER_KINDS:
         return None
     if stage.kind in ("int8_copy", "lowbit_copy"):
         assert stage.copy_of is not None

@@ -33,8 +33,11 @@ class PromptLookup:
         """Another sequence (a slot of batched decoding): a lookup keeps no state between calls."""
         return self
 
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0, store_key: str = "") -> None:
         pass
 
-    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
+    def propose(self, seq: Sequence[int], limit: int, confirmed: int | None = None) -> list[int]:
         return lookup_continuation(seq, self.ngram, min(limit, self.max_proposal))
+
+    def end_sequence(self, output: Sequence[int]) -> dict:
+        return {}

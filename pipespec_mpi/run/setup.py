@@ -19,7 +19,7 @@ from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender, slot_tag
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
-from pipespec_mpi.config import AppConfig, ConfigError
+from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
 from pipespec_mpi.data.datasets import DatasetError
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.run.jobs import Prompt, tokenize_prompts
@@ -276,7 +276,8 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
 def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0) -> StageLoop:
     """This rank's stage loop over its model, window and channels, on the node's clock; slot
     s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``)."""
-    role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream)
+    free = pl.stage > 0 and cfg.hierarchy.stages[pl.stage - 1].kind in DRAFTER_KINDS
+    role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream, upstream_free=free)
     model = loaded.model.for_slot() if slot else loaded.model
     return StageLoop(
         role, model, links.window, links.sender, links.receiver, PerfClock(), cfg.decode,

@@ -160,7 +160,8 @@ class Engine:
             else:  # forwards charged once per batch (``_score``), prefills to the stage's clock
                 n.model = OracleScorer(oracle, i, n.profile.name, clock=n.clock)
                 n.model.compute = shared[i]
-            role = StageRole(i, k, n.i, n.i - 1 if i else None, n.i + 1 if i < k - 1 else None)
+            free = i > 0 and profiles[i - 1].kind == "lookup"
+            role = StageRole(i, k, n.i, n.i - 1 if i else None, n.i + 1 if i < k - 1 else None, free)
             n.loop = StageLoop(
                 role, n.model, TimedWindow(self, n.i),
                 TimedSender(self, n.i) if role.downstream is not None else None,

@@ -272,12 +272,15 @@ class OracleLookup:
         self.prompt_len = 0
         self.chain: tuple[int, int] | None = None  # (length, hash) after the last proposal
 
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0, store_key: str = "") -> None:
         self.prompt_len = len(prompt)
         self.hashes.start(prompt)
         self.chain = None
 
-    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
+    def end_sequence(self, output: Sequence[int]) -> dict:
+        return {}
+
+    def propose(self, seq: Sequence[int], limit: int, confirmed: int | None = None) -> list[int]:
         o, prof = self.oracle, self.profile
         gen = list(seq[self.prompt_len :])
         h = self.hashes.of(gen)

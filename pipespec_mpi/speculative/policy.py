@@ -4,7 +4,10 @@
                           room: ``max_run_ahead`` beyond its downstream's committed length
                           (PipeSpec), or up to its downstream's demand ``want`` (SD)
   verifier, pipespec      verify min(pending, limit) proposals once ``lookahead`` are pending;
-                          with lookahead 0 and nothing pending, a one-token step of its own
+                          with lookahead 0 and nothing pending, a one-token step of its own,
+                          unless the upstream is a model-free drafter that is still working
+                          (``wait_for_drafter``): its answer takes microseconds, an own step a
+                          forward, so it waits until the drafter proposes or says it has nothing
   verifier, sd            wait for its drafter's full window (published as ``want``), then verify
   either verifier         when the upstream can give no more (``upstream_idle``): verify what is
                           pending, else step on its own
@@ -44,6 +47,7 @@ class View:
     pending: int = 0  # proposals in the inbox
     want: int = 0  # SD: this stage's current demand
     upstream_idle: bool = False  # the upstream can give no more now (capped, or no lookup hit)
+    upstream_free: bool = False  # the upstream is a model-free drafter (its proposals cost ~nothing)
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         need = max(1, min(cfg.lookahead, limit))
         if v.pending >= need and limit >= 1:
             return Decision(Act.VERIFY, n=min(v.pending, limit))
-        if cfg.lookahead == 0:
+        if cfg.lookahead == 0 and not (v.upstream_free and cfg.wait_for_drafter):
             return Decision(Act.OWN)
     if v.upstream_idle:  # the upstream cannot give us more: work on what we have
         if v.pending and limit >= 1:

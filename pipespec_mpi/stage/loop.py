@@ -64,6 +64,7 @@ class StageRole:
     rank: int
     upstream: int | None
     downstream: int | None
+    upstream_free: bool = False  # the upstream is a model-free drafter (prompt lookup, suffix)
 
     @property
     def is_last(self) -> bool:
@@ -155,7 +156,11 @@ class StageLoop:
             self.finish_reason = "idle"
             return
         # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
-        self.model.prefill(self.prompt, room=self.cfg.max_new_tokens + self.cfg.max_verify + 1)
+        room = self.cfg.max_new_tokens + self.cfg.max_verify + 1
+        if self.is_scorer:
+            self.model.prefill(self.prompt, room=room)
+        else:  # a drafter's job store is the method's own (models/suffix.py)
+            self.model.prefill(self.prompt, room=room, store_key=method)
         t1 = self.clock.now()
         self.stats.prefill_s = t1 - self.t_start
         self._event(self.t_start, t1, "prefill", len(self.prompt))
@@ -164,6 +169,8 @@ class StageLoop:
         """After DONE: publish ``done`` (relayed upstream) and hand over the outcome."""
         t = self.clock.now()
         self._close_wait(t)
+        if not self.is_scorer and self.finish_reason != "idle":
+            self.stats.drafter = self.model.end_sequence(self.out[: self._confirmed()])
         self._publish(done=True)
         return StageOutcome(list(self.out), self.finish_reason or "done", t - self.t_start, self.stats)
 
@@ -239,7 +246,7 @@ class StageLoop:
             method=self.method, first=self.role.upstream is None, last=self.role.is_last,
             lookup=not self.is_scorer, committed=len(self.out), capped=self._capped,
             down_committed=down.length if down else 0, down_want=down.want if down else 0,
-            pending=len(self.inbox.tokens), want=self.want,
+            pending=len(self.inbox.tokens), want=self.want, upstream_free=self.role.upstream_free,
         )  # fmt: skip
         d = decide(v, self.cfg)
         if d.upstream_matters and self.role.upstream is not None and self._upstream_idle():
@@ -265,7 +272,7 @@ class StageLoop:
 
     def _lookup(self, limit: int) -> bool:
         t0 = self.clock.now()
-        toks = self.model.propose(self._full(), limit)
+        toks = self.model.propose(self._full(), limit, confirmed=len(self.prompt) + self._confirmed())
         t1 = self.clock.now()
         self.stats.busy_s += t1 - t0
         if not toks:
@@ -412,6 +419,13 @@ class StageLoop:
     @property
     def _capped(self) -> bool:
         return len(self.out) >= self.cfg.max_new_tokens or (bool(self.out) and self.out[-1] == self.eos)
+
+    def _confirmed(self) -> int:
+        """How many of our tokens the downstream has committed, as last read (the last stage:
+        all of them)."""
+        if self.role.downstream is None:
+            return len(self.out)
+        return min(len(self.out), self.down.length) if self.down is not None else 0
 
     def _full(self) -> list[int]:
         return self.prompt + self.out

@@ -79,11 +79,20 @@ class Scorer(Protocol):
 
 
 class Proposer(Protocol):
-    """A model-free drafter (prompt lookup) that proposes tokens from the text so far."""
+    """A model-free drafter (prompt lookup, suffix drafting) that proposes tokens from the text
+    so far and what it has seen of the job."""
 
     name: str
+    max_proposal: int
 
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None: ...
+    def prefill(self, prompt: Sequence[int], room: int = 0, store_key: str = "") -> None:
+        """Start a sequence; ``store_key`` names the job-level history it drafts from and
+        joins (the stage loop passes the method)."""
 
-    def propose(self, seq: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` draft tokens continuing ``seq`` (may be empty)."""
+    def propose(self, seq: Sequence[int], limit: int, confirmed: int | None = None) -> list[int]:
+        """Up to ``limit`` draft tokens continuing ``seq`` (may be empty). ``confirmed``: how many
+        leading tokens of ``seq`` the next stage has committed (what the drafter learns from)."""
+
+    def end_sequence(self, output: Sequence[int]) -> dict:
+        """The sequence is over with these committed tokens (as far as this stage knows them);
+        returns the drafter's own counters for the stage's stats ({} if it keeps none)."""

@@ -35,6 +35,7 @@ class StageStats:
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
     peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
     bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
+    drafter: dict = field(default_factory=dict)  # a model-free stage 0's own counters (models/suffix.py)
     gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb
 
     def as_dict(self) -> dict:
