@@ -119,13 +119,20 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
         stages = []
         for s in range(n_stages):
             st = [r.stages[s] for r in rs]
+            fwd = sum(x.forward_calls for x in st)
+            verifs = sum(x.verifications for x in st)
             stages.append(StageSummary(
                 model=st[0].model,
-                forward_calls=sum(x.forward_calls for x in st),
+                forward_calls=fwd,
                 rollbacks=sum(x.rollbacks for x in st),
                 tokens_discarded=sum(x.tokens_discarded for x in st),
                 discarded_s=sum(x.discarded_s for x in st),
                 busy_fraction=sum(x.busy_s + x.prefill_s for x in st) / wall if wall else 0.0,
+                verifications=verifs,
+                own_steps=sum(x.own_steps for x in st),
+                proposals_per_forward=verifs / fwd if fwd else 0.0,
+                tokens_per_forward=sum(x.tokens_generated for x in st) / fwd if fwd else 0.0,
+                drafter=drafter_summary([x.drafter for x in st]),
             ))  # fmt: skip
         lat = [x for r in rs for x in token_latencies(r.stages[-1].commit_times)]
         out[method] = MethodSummary(
@@ -145,6 +152,20 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
             **_energy(rs, tokens),
         )
     return out
+
+
+def drafter_summary(counts: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """A model-free drafter's counters (``DrafterCounts``, one per record) summed per source, with
+    the mean accepted tokens per proposal; {} for a drafter that keeps none."""
+    out: dict[str, dict[str, float]] = {}
+    for c in counts:
+        for what in ("proposals", "proposed", "accepted"):
+            for source, n in (c.get(what) or {}).items():
+                row = out.setdefault(source, {"proposals": 0, "proposed": 0, "accepted": 0})
+                row[what] += n
+    for row in out.values():
+        row["mean_accepted"] = row["accepted"] / row["proposals"] if row["proposals"] else 0.0
+    return dict(sorted(out.items()))
 
 
 def _sequence_ms(xs: list[float]) -> dict[str, float]:

@@ -188,6 +188,14 @@ class StageSummary:
     tokens_discarded: int
     discarded_s: float
     busy_fraction: float
+    verifications: int = 0
+    own_steps: int = 0
+    # a verifier's forwards that verified a proposal (the rest were steps of its own)
+    proposals_per_forward: float = 0.0
+    tokens_per_forward: float = 0.0  # tokens committed by its own actions per forward
+    # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens
+    # the next stage committed as proposed), mean_accepted (accepted per proposal)
+    drafter: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -244,6 +244,11 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                     k: (v.acceptance_rate if v.proposed else None) for k, v in acc.items()
                 },
                 "busy_fraction": [st.busy_fraction for st in s.stages],
+                "proposals_per_forward": (
+                    {} if m == "ar" else {i: st.proposals_per_forward for i, st in enumerate(s.stages) if i}
+                ),
+                "tokens_per_target_forward": s.stages[-1].tokens_per_forward,
+                "drafter": s.stages[0].drafter,
                 "ttft_s_mean": s.ttft_s_mean,
                 "token_latency_ms": s.token_latency_ms,
                 "sequence_ms_per_token": s.sequence_ms_per_token,
@@ -283,12 +288,16 @@ def _cells(row: dict) -> list[str]:
         f"{row['tokens_per_s']:.1f}",
         speed,
         ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in acc.items()) if row["method"] != "ar" else "-",
+        ", ".join(f"{k} {v:.2f}" for k, v in row["proposals_per_forward"].items()) or "-",
+        f"{row['tokens_per_target_forward']:.2f}",
+        ", ".join(f"{k} {v['mean_accepted']:.2f}" for k, v in row["drafter"].items()) or "-",
     ]
 
 
 HEADER = ["run", "method", "models", "lookahead", "batch", "prompts", "tokens", "ms/token", "tokens/s",
-          "speedup", "accepted/verification"]  # fmt: skip
-RIGHT = {3, 4, 5, 6, 7, 8, 9}
+          "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
+          "drafter accepted/proposal"]  # fmt: skip
+RIGHT = {3, 4, 5, 6, 7, 8, 9, 12}
 
 
 def _footnotes(rows: Sequence[dict]) -> list[str]:
@@ -299,6 +308,10 @@ def _footnotes(rows: Sequence[dict]) -> list[str]:
     if any(r["speedup"] is None for r in rows):
         notes.append("- no AR run of that target model among the runs given")
     notes.append("accepted/verification: mean draft tokens accepted per verification, per pair")
+    notes.append("proposals/forward: per verifying stage, the share of its forwards that verified a proposal")
+    notes.append("tokens/target forward: tokens the last stage committed per forward (AR: 1)")
+    if any(r["drafter"] for r in rows):
+        notes.append("drafter accepted/proposal: a suffix stage 0's tokens accepted per proposal, per source")
     return notes
 
 

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.comm.window import Header
 from pipespec_mpi.config import DecodeConfig, SamplingConfig, validate_decode
+from pipespec_mpi.models.suffix import SuffixDrafter
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.speculative.sampling import Sampler, mix
@@ -91,6 +92,7 @@ class Scenario:
     stop_before: int | None = None
     stop_lag: tuple[int, ...] = ()
     slots: int = 1  # sequences in flight per stage (the "-batch" families: 2-4)
+    suffix: bool = False  # with ``lookup``: stage 0 is the real suffix drafter (models/suffix.py)
 
     @property
     def method(self) -> str:
@@ -158,6 +160,11 @@ class Scenario:
         if stop.random() < 0.25:
             sc = replace(sc, stop_before=stop.randint(1, sc.n_prompts),
                          stop_lag=tuple(stop.choice((0, 0, 1)) for _ in range(sc.k)))  # fmt: skip
+        # the model-free drafter: which one, and whether its verifier waits for it
+        dr = random.Random(f"drafter:{family}:{seed}")
+        sc = replace(sc, suffix=dr.random() < 0.5)
+        if "decode" not in fixed:
+            sc = replace(sc, decode=replace(sc.decode, wait_for_drafter=dr.random() < 0.7))
         return replace(sc, **{k: v for k, v in fixed.items() if k not in ("k", "decode")})
 
     def stop_requested(self, stage: int, seq: int) -> bool:
@@ -451,7 +458,14 @@ class World:
         lookup = LatencyProfile("lookup", kind="lookup", max_proposal=rng.choice((1, 3, 8)),
                                 lookup_hit_rate=rng.choice((0.3, 0.8)))  # fmt: skip
 
+        suffix: list[SuffixDrafter] = []  # one drafter; the slots of a batched stage 0 share it
+
         def model(i: int) -> Scorer | Proposer:
+            if i == 0 and sc.lookup and sc.suffix:
+                if not suffix:
+                    suffix.append(SuffixDrafter("suffix", max_proposal=lookup.max_proposal, min_survival=0.0))
+                    return suffix[0]
+                return suffix[0].for_slot()
             if i == 0 and sc.lookup:
                 return OracleLookup(self.oracle, lookup)
             return OracleScorer(self.oracle, i)

@@ -134,3 +134,23 @@ def test_batched_throughput_is_over_the_phase_span_and_compared_at_the_same_batc
     assert b["pipespec@b2"].speedup_per_prompt.n == 2  # prompts a and b, at batch 2 only
     pp = b["pipespec@b2"].speedup_per_prompt
     assert (pp.min, pp.max) == (pytest.approx(100 / 50), pytest.approx(90 / 25))  # a, b at batch 2
+
+
+def test_proposals_and_tokens_per_forward_and_the_drafter_per_source():
+    recs = [_rec("pipespec", p, 10, 0.5) for p in ("a", "b")]
+    for r, (verifs, own, gen) in zip(recs, [(3, 1, 9), (1, 3, 5)]):
+        st = r.stages[1]
+        st.forward_calls, st.verifications, st.own_steps, st.tokens_generated = verifs + own, verifs, own, gen
+    recs[0].stages[0].drafter = {"proposals": {"sequence": 2, "job": 1}, "proposed": {"sequence": 6, "job": 4},
+                                 "accepted": {"sequence": 5, "job": 1}, "misses": 3}  # fmt: skip
+    recs[1].stages[0].drafter = {"proposals": {"sequence": 2}, "proposed": {"sequence": 2},
+                                 "accepted": {"sequence": 1}}  # fmt: skip
+    s = summarize(recs)["pipespec"].stages
+    assert s[1].proposals_per_forward == pytest.approx(4 / 8)
+    assert s[1].tokens_per_forward == pytest.approx(14 / 8)
+    assert (s[1].verifications, s[1].own_steps) == (4, 4)
+    assert s[0].drafter == {
+        "job": {"proposals": 1, "proposed": 4, "accepted": 1, "mean_accepted": 1.0},
+        "sequence": {"proposals": 4, "proposed": 8, "accepted": 6, "mean_accepted": 1.5},
+    }
+    assert s[1].drafter == {}  # a model stage keeps no drafter counters

@@ -159,7 +159,8 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     assert list(doc["pipespec"]["token_latency_ms"]) == ["p50", "p90", "p99"]
     assert doc["pipespec"]["acceptance"]["0->1"]["accepted_histogram"] == [0, 0, 0, 2, 0]
     assert list(doc["pipespec"]["stages"][0]) == [
-        "model", "forward_calls", "rollbacks", "tokens_discarded", "discarded_s", "busy_fraction"
+        "model", "forward_calls", "rollbacks", "tokens_discarded", "discarded_s", "busy_fraction",
+        "verifications", "own_steps", "proposals_per_forward", "tokens_per_forward", "drafter",
     ]  # fmt: skip
 
     bench = benchmark_table(recs, ["ar", "sd", "pipespec"])

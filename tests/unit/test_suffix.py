@@ -1,0 +1,201 @@
+"""The suffix drafter on crafted sequences: matches, rollbacks, the job store, its bound, the
+estimates it learns, and the combination of its sources."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipespec_mpi.models.suffix import (
+    SEP,
+    Cells,
+    Store,
+    SuffixDrafter,
+    TokenIndex,
+    continuation,
+    survival_cut,
+)
+
+
+def _index(tokens):
+    ix = TokenIndex()
+    ix.append(tokens)
+    return ix
+
+
+def _brute_tables(text):
+    """What TokenIndex.one / .two must hold for ``text`` (positions after each token / pair)."""
+    one, two = {}, {}
+    for i, t in enumerate(text):
+        if t == SEP:
+            continue
+        one.setdefault(t, []).append(i + 1)
+        if i and text[i - 1] != SEP:
+            two.setdefault((text[i - 1] << 32) | t, []).append(i + 1)
+    return one, two
+
+
+def test_empty_history_proposes_nothing():
+    d = SuffixDrafter("s")
+    d.prefill([], store_key="pipespec")
+    assert d.propose([], 8, confirmed=0) == []
+    d.prefill([5], store_key="pipespec")
+    assert d.propose([5], 8, confirmed=1) == []  # one token, seen nowhere before
+
+
+def test_repeat_in_the_prompt_is_continued():
+    d = SuffixDrafter("s", min_survival=0.0)
+    seq = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    d.prefill(seq, store_key="pipespec")
+    # the longest match (1 2 3) continues with 4 5 9 1 2 3, up to the query's own end
+    assert d.propose(seq, 8, confirmed=len(seq)) == [4, 5, 9, 1, 2, 3]
+    assert d.propose(seq, 2, confirmed=len(seq)) == [4, 5]
+
+
+def test_longest_match_wins_over_a_more_recent_shorter_one():
+    ix = _index([7, 1, 2, 3, 40, 8, 2, 3, 50, 1, 2, 3])
+    m, places = ix.candidates(ix.text, 64, exclude=len(ix))
+    assert m == 3 and places == [4]
+    assert continuation(ix, places, len(ix), 4) == ([40, 8, 2, 3], [1.0, 1.0, 1.0, 1.0])
+
+
+def test_continuation_follows_the_most_frequent_branch():
+    # after "1 2": 3 twice, 4 once -> 3 with f = 2/3; both places agree on 5; then 9 or 7, a
+    # tie that the most recent place decides
+    ix = _index([1, 2, 3, 5, 9, 1, 2, 4, 6, 8, 1, 2, 3, 5, 7, 1, 2])
+    m, places = ix.candidates(ix.text, 64, exclude=len(ix))
+    assert m == 2 and places == [12, 7, 2]
+    toks, freq = continuation(ix, places, len(ix), 3)
+    assert toks == [3, 5, 7] and freq == [pytest.approx(2 / 3), 1.0, 0.5]
+
+
+def test_index_rolls_back_and_forward_to_the_same_tables():
+    rng = random.Random(3)
+    ix = TokenIndex()
+    text: list[int] = []
+    for _ in range(300):
+        if text and rng.random() < 0.3:
+            keep = rng.randrange(len(text))
+            ix.truncate(keep)
+            del text[keep:]
+        else:
+            new = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            ix.append(new)
+            text += new
+        one, two = _brute_tables(text)
+        assert ix.text == text and ix.one == one and ix.two == two
+
+
+def test_drafter_follows_rollbacks_of_its_sequence():
+    d = SuffixDrafter("s", min_survival=0.0)
+    prompt = [1, 2, 3, 4, 1, 2]
+    d.prefill(prompt, store_key="pipespec")
+    assert d.propose(prompt, 4, confirmed=6) == [3, 4, 1, 2]
+    # the verifier rejected the draft at its first token and committed 9 instead
+    seq = prompt + [9]
+    assert d.propose(seq, 4, confirmed=7) == []  # 9 never occurred before: nothing to say
+    assert d.seq.text == seq
+    assert d.counts.settled == {"sequence": 1} and d.counts.accepted == {}
+    seq = prompt + [9, 1, 2]  # "1 2" continued with 3 and with 9: a tie, the most recent wins
+    assert d.propose(seq, 2, confirmed=9) == [9, 1]
+
+
+def test_misses_are_not_recomputed_while_the_sequence_stands_still():
+    d = SuffixDrafter("s")
+    d.prefill([5, 6], store_key="pipespec")
+    for _ in range(5):
+        assert d.propose([5, 6], 8, confirmed=2) == []
+    assert d.counts.misses == 1
+
+
+def test_job_store_drafts_from_earlier_outputs_of_the_same_method_only():
+    d = SuffixDrafter("s", min_survival=0.0)
+    out = [10, 11, 12, 13, 14, 15]
+    d.prefill([1, 10, 11], store_key="sd")
+    d.end_sequence(out)
+    d.prefill([2, 10, 11], store_key="pipespec")  # another method: a store of its own
+    assert d.propose([2, 10, 11], 4, confirmed=3) == []
+    d.end_sequence([])
+    d.prefill([3, 10, 11], store_key="sd")
+    assert d.propose([3, 10, 11], 4, confirmed=3) == [12, 13, 14, 15]
+    assert d.counts.proposals == {"job": 1}
+
+
+def test_slots_share_the_store_and_estimates_but_not_the_sequence():
+    a = SuffixDrafter("s", min_survival=0.0)
+    b = a.for_slot()
+    a.prefill([1, 2, 3, 1, 2], store_key="pipespec")
+    b.prefill([7, 8], store_key="pipespec")
+    a.end_sequence([3, 4, 5])
+    assert b.store is a.store and b.cells is a.cells
+    assert b.propose([7, 8, 3, 4], 2, confirmed=4) == [5]
+    assert b.seq.text == [7, 8, 3, 4]
+
+
+def test_store_keeps_within_its_bound_dropping_the_oldest():
+    rng = random.Random(0)
+    st = Store(500)
+    docs = []
+    for _ in range(200):
+        doc = [rng.randrange(40) for _ in range(rng.randrange(1, 80))]
+        docs.append(doc)
+        st.add(doc)
+        assert st.tokens <= 500
+        kept = [t for t in st.index.text]
+        one, two = _brute_tables(kept)
+        shift = st.index.base  # the tables hold positions of the whole history
+        assert {k: [p - shift for p in v] for k, v in st.index.one.items()} == one
+        assert {k: [p - shift for p in v] for k, v in st.index.two.items()} == two
+    # what is kept is the newest documents, whole, each followed by a separator, as many as fit
+    kept = docs[-len(st.starts) :]
+    assert st.index.text == [t for doc in kept for t in [*doc, SEP]]
+    assert st.tokens == sum(map(len, kept)) <= 500 < st.tokens + len(docs[-len(kept) - 1])
+
+
+def test_a_document_longer_than_the_bound_keeps_its_end():
+    st = Store(4)
+    st.add([1, 2, 3, 4, 5, 6])
+    assert st.index.text == [3, 4, 5, 6, SEP] and st.tokens == 4
+    st0 = Store(0)
+    st0.add([1, 2])
+    assert st0.tokens == 0
+
+
+def test_survival_cut_and_expected_length():
+    assert survival_cut([0.9, 0.9, 0.9], 0.5) == (3, pytest.approx(0.9 + 0.81 + 0.729))
+    assert survival_cut([0.9, 0.5, 0.9], 0.5) == (1, pytest.approx(0.9))
+    assert survival_cut([0.05], 0.1) == (0, 0.0)
+
+
+def test_estimates_learn_from_what_the_verifier_commits():
+    cells = Cells()
+    key = Cells.key("sequence", 1, 1.0)
+    prior = cells.estimate(key, 1.0)
+    for _ in range(200):
+        cells.observe(key, False, 1.0)
+    assert cells.estimate(key, 1.0) < 0.01 < prior
+    # a drafter whose one-token matches are always rejected stops proposing them
+    d = SuffixDrafter("s", min_survival=0.1)
+    d.prefill([1, 2, 5, 2], store_key="k")
+    d.cells.q[Cells.key("sequence", 1, 1.0)] = 0.01
+    assert d.propose([1, 2, 5, 2], 4, confirmed=4) == []
+
+
+def test_the_source_expected_to_be_accepted_longest_is_chosen():
+    d = SuffixDrafter("s", min_survival=0.05)
+    d.prefill([0], store_key="k")
+    d.end_sequence([20, 21, 22, 23, 24, 25, 26, 27])
+    seq = [20, 21, 22, 23, 30, 21]  # the sequence: "21" once (m=1); the store: "23 .. 21"? no, "21 22 ..."
+    d.prefill(seq[:1], store_key="k")
+    # both sources match "21"; mark the store's cells as reliable, the sequence's as not
+    for f in (2, 1, 0):
+        d.cells.q[("job", 1, f)] = 0.95
+        d.cells.q[("sequence", 1, f)] = 0.2
+    got = d.propose(seq, 4, confirmed=len(seq))
+    assert got == [22, 23, 24, 25] and d.counts.proposals == {"job": 1}
+    for f in (2, 1, 0):
+        d.cells.q[("job", 1, f)] = 0.2
+        d.cells.q[("sequence", 1, f)] = 0.95
+    seq2 = seq + [22, 23, 30, 21]
+    assert d.propose(seq2, 4, confirmed=len(seq2)) == [22, 23, 30, 21]
