@@ -36,11 +36,12 @@ def assert_all_equal_ar(recs: list[dict], groups: set[tuple[str, int]]) -> None:
         assert outs == ref, f"{g} differs from AR"
 
 
-def test_every_method_at_every_batch_size_equals_ar(tmp_path):
+@pytest.mark.parametrize("hier", ["tiny", "tiny_suffix"])
+def test_every_method_at_every_batch_size_equals_ar(tmp_path, hier):
     sizes, methods = [1, 2, 4], ["ar", "sd", "pipespec"]
     recs = launch_ok(
         3,
-        ["hierarchy=tiny", "run.mode=benchmark", "run.batch_sizes=[1,2,4]", "decode.lookahead=1",
+        [f"hierarchy={hier}", "run.mode=benchmark", "run.batch_sizes=[1,2,4]", "decode.lookahead=1",
          "decode.max_new_tokens=24", "dataset.n_prompts=6"],
         tmp_path,
     )  # fmt: skip

@@ -25,6 +25,8 @@ CASES = [
     (2, "tiny2", 0, "gloo", 48, "[ar,pipespec]"),
     (2, "tiny2", 4, "mpi", 33, "[ar,sd,pipespec]"),
     (4, "tiny4", 2, "mpi", 48, "[ar,sd,pipespec]"),
+    (3, "tiny_suffix", 0, "mpi", 48, "[ar,sd,pipespec]"),  # stage 0: the model-free suffix drafter
+    (3, "tiny_suffix", 2, "gloo", 40, "[ar,sd,pipespec]"),
 ]
 
 
@@ -76,6 +78,11 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
         assert len(r["output_ids"]) == r["n_new_tokens"] == max_new  # no EOS in the byte models
         assert r["transport"] == transport
     ps = [r for r in recs if r["method"] == "pipespec"]
+    if hier == "tiny_suffix":  # the drafter's own counters reach the records, per source
+        drafted = [r["stages"][0]["drafter"] for r in recs if r["method"] != "ar" and not r["warmup"]]
+        assert all(set(d) == {"proposals", "proposed", "accepted", "settled", "misses"} for d in drafted)
+        assert sum(sum(d["proposals"].values()) for d in drafted) > 0
+        assert any("job" in d["proposals"] for d in drafted)  # later prompts draft from earlier outputs
     if lookahead == 0:
         # A verifier that never waits can outrun its drafters: on a quiet machine the tiny target
         # (~1.6 ms a step) took 64 own steps per prompt and every proposal arrived after the
