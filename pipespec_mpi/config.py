@@ -366,7 +366,7 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}.model: required for kind={s.kind} (a hub id or a local path)")
         if s.kind == "gguf" and not s.gguf_file:
             p.append(f"{where}.gguf_file: required for kind=gguf")
-        if s.kind in DRAFTER_KINDS and i != 0:
+        if s.kind in DRAFTER_KINDS and i != 0 and not h.choose:  # (candidates: any may head a pipeline)
             p.append(f"{where}: {s.kind} has no model to verify with; it can only be stage 0")
         if s.kind == "prompt_lookup" and (s.ngram < 1 or s.max_proposal < 1):
             p.append(f"{where}: ngram={s.ngram} and max_proposal={s.max_proposal} must be >= 1")

@@ -73,3 +73,19 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path):
         assert f"the best AR's throughput (batch {chosen['batch_size']})" in plan["reason"]
     else:
         assert f"with {chosen['method']} at batch {chosen['batch_size']}" in plan["reason"]
+
+
+def test_auto_weighs_a_suffix_drafter_among_its_candidates(tmp_path):
+    """tiny_suffix's stages as candidates: the suffix drafter is measured (its proposals along the
+    target's path, drafting from the earlier calibration prompts' outputs too), every pipeline it
+    can head is predicted, and the job runs the choice losslessly."""
+    cache = f"auto.cache_dir={tmp_path / 'cache'}"
+    base = ["hierarchy=tiny_suffix", *TINY[1:]]
+    ar = outputs(launch_ok(3, [*base, "method=ar"], tmp_path / "ar"))
+    recs = launch_ok(3, [*base, "hierarchy.choose=true", *QUICK, cache], tmp_path / "auto")
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert "suffix -> tiny-target-4L" in plan["rates"] and "suffix -> tiny-mid-3L" in plan["rates"]
+    pipelines = {tuple(o["pipeline"]) for o in plan["options"]}
+    assert ("suffix", "tiny-mid-3L", "tiny-target-4L") in pipelines
+    assert ("suffix", "tiny-target-4L") in pipelines
+    assert outputs(recs) == ar

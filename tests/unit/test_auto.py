@@ -134,13 +134,13 @@ def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
     m = Measured(
         stages=tuple(s.name for s in cfg.hierarchy.stages),
         kinds=tuple(s.kind for s in cfg.hierarchy.stages),
-        max_proposal=(8,) * 4,
+        max_proposal=(8,) * 5,
         costs={
-            (3,): [{"points": [[1, 0.04]]}],
-            (1, 3): [{"points": [[1, 0.004], [16, 0.006]]}, {"points": [[1, 0.044], [16, 0.05]]}],
+            (4,): [{"points": [[1, 0.04]]}],
+            (2, 4): [{"points": [[1, 0.004], [16, 0.006]]}, {"points": [[1, 0.044], [16, 0.05]]}],
         },
         threads={1: 2, 2: 1},
-        agreement=agreement(list(range(30)), [-1] * 30, list(range(30)), [-1] * 30),
+        agreement=agreement(list(range(30)), [-1] * 30, [-1] * 30, list(range(30)), [-1] * 30),
     )
     plan = predict(m, DECODE, 3, 0.05, seeds=(0,))
     run = realize(cfg, plan, bound=False)

@@ -141,8 +141,12 @@ def test_proposals_and_tokens_per_forward_and_the_drafter_per_source():
     for r, (verifs, own, gen) in zip(recs, [(3, 1, 9), (1, 3, 5)]):
         st = r.stages[1]
         st.forward_calls, st.verifications, st.own_steps, st.tokens_generated = verifs + own, verifs, own, gen
-    recs[0].stages[0].drafter = {"proposals": {"sequence": 2, "job": 1}, "proposed": {"sequence": 6, "job": 4},
-                                 "accepted": {"sequence": 5, "job": 1}, "misses": 3}  # fmt: skip
+    recs[0].stages[0].drafter = {
+        "proposals": {"sequence": 2, "job": 1},
+        "misses": 3,
+        "proposed": {"sequence": 6, "job": 4},
+        "accepted": {"sequence": 5, "job": 1},
+    }
     recs[1].stages[0].drafter = {"proposals": {"sequence": 2}, "proposed": {"sequence": 2},
                                  "accepted": {"sequence": 1}}  # fmt: skip
     s = summarize(recs)["pipespec"].stages

@@ -199,3 +199,30 @@ def test_the_source_expected_to_be_accepted_longest_is_chosen():
         d.cells.q[("sequence", 1, f)] = 0.95
     seq2 = seq + [22, 23, 30, 21]
     assert d.propose(seq2, 4, confirmed=len(seq2)) == [22, 23, 30, 21]
+
+
+def test_a_corpus_file_is_drafted_from_through_the_loader(tmp_path):
+    from pipespec_mpi.config import compose_config
+    from pipespec_mpi.models.loader import load_stage
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n\nprint('unrelated paragraph')\n")
+    cfg = compose_config(["hierarchy=tiny_suffix", f"hierarchy.stages.0.corpus={corpus}",
+                          "hierarchy.stages.0.min_survival=0.0"])  # fmt: skip
+    d = load_stage(cfg.hierarchy, 0, [])
+    assert isinstance(d, SuffixDrafter) and d.corpus is not None and d.corpus.tokens > 0
+    prompt = list(b"# sum\ndef add(a, b):\n    ret")  # the byte tokenizer's ids
+    d.prefill(prompt, store_key="pipespec")
+    assert bytes(d.propose(prompt, 8, confirmed=len(prompt))) == b"urn a + "
+    assert d.counts.proposals == {"corpus": 1}
+
+
+def test_config_names_every_bad_suffix_value():
+    from pipespec_mpi.config import ConfigError, compose_config
+
+    with pytest.raises(ConfigError) as err:
+        compose_config(["hierarchy=tiny_suffix", "hierarchy.stages.0.min_survival=1.5",
+                        "hierarchy.stages.0.max_match=0",
+                        "hierarchy.stages.0.corpus=/no/such/file"])  # fmt: skip
+    msg = str(err.value)
+    assert "min_survival=1.5" in msg and "max_match=0" in msg and "corpus='/no/such/file'" in msg
