@@ -268,7 +268,8 @@ class DrafterCounts:
     proposed: dict[str, int] = field(default_factory=dict)  # tokens, by source
     accepted: dict[str, int] = field(default_factory=dict)  # tokens settled as accepted, by source
     settled: dict[str, int] = field(default_factory=dict)  # tokens settled (accepted or first rejected)
-    misses: int = 0  # calls with nothing worth proposing
+    misses: int = 0  # calls with nothing to propose: no source matched the text's last token
+    cut: int = 0  # calls where a source matched but its first token's survival was below the bound
 
     def as_dict(self) -> dict:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
@@ -347,11 +348,13 @@ class SuffixDrafter:
         if limit <= 0 or (not changed and self.missed):
             return []  # (a stage loop asks again while it waits: the answer has not changed)
         best: tuple[float, list[int], list[float], list[tuple[str, int, int]], str] | None = None
+        matched = False
         query = seq[-self.max_match :] if len(seq) > self.max_match else seq
         for source, index, own in self._sources():
             m, places = index.candidates(query, self.max_candidates, exclude=len(seq) if own else -1)
             if not places:
                 continue
+            matched = True
             toks, freq = continuation(index, places, len(seq) if own else -1, limit)
             keys = [Cells.key(source, m, f) for f in freq]
             q = [self.cells.estimate(k, f) for k, f in zip(keys, freq)]
@@ -360,7 +363,10 @@ class SuffixDrafter:
                 best = (e, toks[:n], freq[:n], keys[:n], source)
         self.missed = best is None
         if best is None:
-            self.counts.misses += 1
+            if matched:
+                self.counts.cut += 1
+            else:
+                self.counts.misses += 1
             return []
         _, toks, freq, keys, source = best
         self.pending.append(Draft(len(seq), toks, keys, freq, source))

@@ -5,9 +5,9 @@
                           (PipeSpec), or up to its downstream's demand ``want`` (SD)
   verifier, pipespec      verify min(pending, limit) proposals once ``lookahead`` are pending;
                           with lookahead 0 and nothing pending, a one-token step of its own,
-                          unless the upstream is a model-free drafter that is still working
-                          (``wait_for_drafter``): its answer takes microseconds, an own step a
-                          forward, so it waits until the drafter proposes or says it has nothing
+                          unless the upstream is a model-free drafter that is still working and
+                          ``wait_for_drafter`` is set: its answer takes microseconds, an own step
+                          a forward, so it waits until the drafter proposes or says it has nothing
   verifier, sd            wait for its drafter's full window (published as ``want``), then verify
   either verifier         when the upstream can give no more (``upstream_idle``): verify what is
                           pending, else step on its own

@@ -36,16 +36,16 @@ def test_pipespec_lookahead_zero_steps_on_its_own_when_nothing_is_pending():
 
 
 def test_lookahead_zero_waits_for_a_working_model_free_drafter():
-    d = decide(view(pending=0, upstream_free=True), CFG)
+    on = DecodeConfig(lookahead=0, max_new_tokens=20, max_run_ahead=4, max_verify=6, wait_for_drafter=True)
+    d = decide(view(pending=0, upstream_free=True), on)
     assert d.act is Act.WAIT and d.upstream_matters  # the caller reads the drafter's idle flag
     # the drafter has nothing (a miss, or capped): step on its own at once
-    assert decide(view(pending=0, upstream_free=True, upstream_idle=True), CFG).act is Act.OWN
-    # pending proposals are verified as before, and the rule can be switched off
-    assert decide(view(pending=2, upstream_free=True), CFG).n == 2
-    off = DecodeConfig(lookahead=0, max_new_tokens=20, max_run_ahead=4, max_verify=6, wait_for_drafter=False)
-    assert decide(view(pending=0, upstream_free=True), off).act is Act.OWN
-    # a model upstream is never waited for with lookahead 0 (the paper's rule)
-    assert decide(view(pending=0, upstream_free=False), CFG).act is Act.OWN
+    assert decide(view(pending=0, upstream_free=True, upstream_idle=True), on).act is Act.OWN
+    # pending proposals are verified as before; off (the default), the paper's rule
+    assert decide(view(pending=2, upstream_free=True), on).n == 2
+    assert decide(view(pending=0, upstream_free=True), CFG).act is Act.OWN
+    # a model upstream is never waited for with lookahead 0
+    assert decide(view(pending=0, upstream_free=False), on).act is Act.OWN
     # SD is unchanged: it waits for its window whatever the drafter is
     sd = DecodeConfig(lookahead=0, sd_window=3, max_new_tokens=20, max_run_ahead=4, max_verify=6)
     assert decide(view(method="sd", pending=1, upstream_free=True), sd).act is Act.WAIT

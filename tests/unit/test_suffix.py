@@ -106,7 +106,7 @@ def test_misses_are_not_recomputed_while_the_sequence_stands_still():
     d.prefill([5, 6], store_key="pipespec")
     for _ in range(5):
         assert d.propose([5, 6], 8, confirmed=2) == []
-    assert d.counts.misses == 1
+    assert (d.counts.misses, d.counts.cut) == (1, 0)
 
 
 def test_job_store_drafts_from_earlier_outputs_of_the_same_method_only():
@@ -180,6 +180,7 @@ def test_estimates_learn_from_what_the_verifier_commits():
     d.prefill([1, 2, 5, 2], store_key="k")
     d.cells.q[Cells.key("sequence", 1, 1.0)] = 0.01
     assert d.propose([1, 2, 5, 2], 4, confirmed=4) == []
+    assert (d.counts.misses, d.counts.cut) == (0, 1)  # a match, cut by its estimate
 
 
 def test_the_source_expected_to_be_accepted_longest_is_chosen():
