@@ -115,12 +115,19 @@ class TokenIndex:
         one) examined. ``exclude``: a position never returned (the query's own end)."""
         if not query:
             return 0, []
-        pos = self.two.get(_pair(query[-2], query[-1])) if len(query) >= 2 else None
-        if not pos:
-            pos = self.one.get(query[-1])
-            if not pos:
-                return 0, []
-        best, found = 0, []
+        if len(query) >= 2:
+            m, found = self._grow(self.two.get(_pair(query[-2], query[-1])), query, limit, exclude)
+            if found:
+                return m, found
+        return self._grow(self.one.get(query[-1]), query, limit, exclude)
+
+    def _grow(
+        self, pos: list[int] | None, query: Sequence[int], limit: int, exclude: int
+    ) -> tuple[int, list[int]]:
+        best: int = 0
+        found: list[int] = []
+        if not pos:  # (a pair seen only at the query's own end leaves nothing: then the last token)
+            return best, found
         n, lo = len(query), self.base
         for p in reversed(pos[-limit - 1 :]):
             if p == exclude:

@@ -227,3 +227,12 @@ def test_config_names_every_bad_suffix_value():
                         "hierarchy.stages.0.corpus=/no/such/file"])  # fmt: skip
     msg = str(err.value)
     assert "min_survival=1.5" in msg and "max_match=0" in msg and "corpus='/no/such/file'" in msg
+
+
+def test_a_pair_seen_only_at_the_end_falls_back_to_the_last_token():
+    # "7 3" is new (its only entry is the query's own end); "3" alone was followed by 4 before
+    ix = _index([1, 3, 4, 5, 7, 3])
+    assert ix.candidates(ix.text, 64, exclude=len(ix)) == (1, [2])
+    d = SuffixDrafter("s", min_survival=0.0)
+    d.prefill([1, 3, 4, 5, 7, 3], store_key="k")
+    assert d.propose([1, 3, 4, 5, 7, 3], 3, confirmed=6) == [4, 5, 7]
