@@ -86,6 +86,9 @@ def test_auto_weighs_a_suffix_drafter_among_its_candidates(tmp_path):
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert "suffix -> tiny-target-4L" in plan["rates"] and "suffix -> tiny-mid-3L" in plan["rates"]
     pipelines = {tuple(o["pipeline"]) for o in plan["options"]}
-    assert ("suffix", "tiny-mid-3L", "tiny-target-4L") in pipelines
     assert ("suffix", "tiny-target-4L") in pipelines
+    # the three stages are predicted too, unless the middle model is too slow to be measured
+    # beside the target (a one-token step as slow as the target's: auto/measure.py)
+    three = ("suffix", "tiny-mid-3L", "tiny-target-4L")
+    assert three in pipelines or " -> ".join(three) in plan["not_measured"]
     assert outputs(recs) == ar
