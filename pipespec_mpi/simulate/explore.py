@@ -56,7 +56,10 @@ METHODS = ("sd", "pipespec")
 RULES = ("greedy", "gumbel", "leviathan")
 # "-batch": every stage decodes 2-4 sequences at once (slots, stage/batch.py), each over its own
 # window, links, gate and handoff, their forwards run together
-FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch") for m in METHODS for r in RULES)
+# "-suffix": stage 0 is the real suffix drafter (models/suffix.py; a batched stage's slots share its
+# store) and whether its verifier waits for it (decode.wait_for_drafter) is drawn; families of
+# their own, so that every seed of the older families keeps its scenario
+FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES)
 EOS = 0
 IDLE_TICKS = 40  # waiting steps in a row before the scheduler checks for a stall
 FAIR_ROUNDS = 3  # rounds of every stage with full information that must show some progress
@@ -92,7 +95,7 @@ class Scenario:
     stop_before: int | None = None
     stop_lag: tuple[int, ...] = ()
     slots: int = 1  # sequences in flight per stage (the "-batch" families: 2-4)
-    suffix: bool = False  # with ``lookup``: stage 0 is the real suffix drafter (models/suffix.py)
+    suffix: bool = False  # stage 0 is the real suffix drafter (the "-suffix" families)
 
     @property
     def method(self) -> str:
@@ -160,11 +163,11 @@ class Scenario:
         if stop.random() < 0.25:
             sc = replace(sc, stop_before=stop.randint(1, sc.n_prompts),
                          stop_lag=tuple(stop.choice((0, 0, 1)) for _ in range(sc.k)))  # fmt: skip
-        # the model-free drafter: which one, and whether its verifier waits for it
-        dr = random.Random(f"drafter:{family}:{seed}")
-        sc = replace(sc, suffix=dr.random() < 0.5)
-        if "decode" not in fixed:
-            sc = replace(sc, decode=replace(sc.decode, wait_for_drafter=dr.random() < 0.7))
+        if family.endswith("-suffix"):  # the suffix drafter, and whether its verifier waits for it
+            dr = random.Random(f"drafter:{family}:{seed}")
+            sc = replace(sc, lookup=True, suffix=True)
+            if "decode" not in fixed:
+                sc = replace(sc, decode=replace(sc.decode, wait_for_drafter=dr.random() < 0.7))
         return replace(sc, **{k: v for k, v in fixed.items() if k not in ("k", "decode")})
 
     def stop_requested(self, stage: int, seq: int) -> bool:
