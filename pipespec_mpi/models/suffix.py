@@ -135,8 +135,6 @@ class TokenIndex:
             m = 1
             while m < n and p - m - 1 >= lo and self.text[p - m - 1 - lo] == query[n - m - 1]:
                 m += 1
-                if m >= MAX_MATCH_CAP:
-                    break
             if m > best:
                 best, found = m, [p]
             elif m == best:
@@ -144,7 +142,7 @@ class TokenIndex:
         return best, found  # most recent first
 
 
-MAX_MATCH_CAP = 64  # a match is grown backwards at most this far (``max_match`` clamps lower)
+MAX_MATCH_CAP = 64  # ``max_match`` is clamped to this (a query is never longer than max_match)
 
 
 def _pop_last(table: dict[int, list[int]], key: int, p: int) -> None:
@@ -393,7 +391,7 @@ class SuffixDrafter:
         """Make the sequence index hold ``seq``: cut back to the common prefix, append the rest;
         False when it held ``seq`` already."""
         text = self.seq.text
-        if len(text) == len(seq) and text[-1:] == list(seq[-1:]) and text == list(seq):
+        if text == list(seq):  # (lists of different lengths compare unequal at once)
             return False
         n = min(len(text), len(seq))
         if list(seq[:n]) != text[:n]:
