@@ -61,8 +61,10 @@ def app(cfg: DictConfig) -> None:
             check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         logger = logging.getLogger("pipespec_mpi")
-        logger.setLevel(logging.INFO if world.rank == 0 else logging.WARNING)
+        logger.setLevel(logging.INFO)  # every rank's rank*.log says what it is doing
         logger.filters.clear()
+        if world.rank != 0:  # the console: rank 0's progress, everyone's warnings
+            quiet_console(logging.WARNING)
         if typed.hierarchy.choose:
             code = run_auto(typed, run_dir, world, logger)
         else:
@@ -106,6 +108,14 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     from mpi4py import MPI
 
     return world.comm.allreduce(code, op=MPI.MAX)
+
+
+def quiet_console(level: int) -> None:
+    """This rank's console handlers pass only records of ``level`` and above (its log file keeps
+    everything)."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+            h.setLevel(level)
 
 
 class StageTag(logging.Filter):

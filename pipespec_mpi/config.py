@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pipespec_mpi.data.config import DatasetConfig
+from pipespec_mpi.data.config import problems as dataset_problems
 from pipespec_mpi.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # what ``python -m pipespec_mpi`` composes
@@ -37,7 +39,8 @@ WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/lowbit.py FORMAT
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
 TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
-DATASETS = ("humaneval", "news", "jsonl", "synthetic", "hub")
+ON_ERROR = ("skip", "fail")
+OUTPUT_FORMATS = ("jsonl", "openai", "parquet")
 
 
 class ConfigError(UserError, ValueError):
@@ -144,23 +147,6 @@ class HierarchyConfig:
 
 
 @dataclass
-class DatasetConfig:
-    """Which prompts (conf/dataset/<name>.yaml names the dataset and its files)."""
-
-    name: str = "humaneval"
-    path: str | None = None  # dataset=jsonl: the file
-    n_prompts: int = 4  # taken after a seeded shuffle
-    shuffle: bool = True
-    seed: int = 0  # the shuffle's (and the synthetic text's) seed
-    chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
-    max_prompt_tokens: int = 512
-    shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
-    shard_count: int = 1
-    hub_name: str | None = None
-    split: str = "test"
-
-
-@dataclass
 class DecodeConfig:
     """What the stage loop needs: window sizes and budgets (the algorithm's knobs). Defaults
     chosen by measurement (README "The default hierarchy", docs/performance.md)."""
@@ -242,6 +228,12 @@ class RunConfig:
     # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot
     # starve the others: a phase ends before the next starts); empty: decode.batch_size alone
     batch_sizes: tuple[int, ...] = ()
+    on_error: str = "skip"  # a bad row (unreadable, empty, too long): skip (errors.jsonl) | fail
+    # results.jsonl always; openai: also results.openai.jsonl (OpenAI batch output lines, every
+    # row's custom_id, errors included); parquet: also results.parquet
+    output_format: str = "jsonl"
+    startup_timeout_s: float = 900.0  # each start-up phase (rendezvous, model load, windows)
+    progress_every_s: float = 60.0  # a replica's leader logs rows done/left, tokens/s and an ETA
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)  # Hydra hands over a list
@@ -406,20 +398,7 @@ def validate(cfg: AppConfig) -> list[str]:
     sd_needed = cfg.method == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
     p.extend(validate_decode(cfg.decode, sd_needed))
 
-    ds = cfg.dataset
-    if ds.name not in DATASETS:
-        p.append(f"dataset.name={ds.name!r}: must be one of {DATASETS}")
-    if ds.name == "jsonl" and not ds.path:
-        p.append("dataset.path: required for dataset=jsonl")
-    if not _int(ds.n_prompts) or ds.n_prompts < 1:
-        p.append(f"dataset.n_prompts={ds.n_prompts}: must be an integer >= 1")
-    if ds.shard_count < 1 or not 0 <= ds.shard_index < ds.shard_count:
-        p.append(
-            f"dataset.shard_index={ds.shard_index}, dataset.shard_count={ds.shard_count}: "
-            "need 0 <= shard_index < shard_count"
-        )
-    if ds.max_prompt_tokens < 1:
-        p.append(f"dataset.max_prompt_tokens={ds.max_prompt_tokens}: must be >= 1")
+    p.extend(dataset_problems(cfg.dataset))
 
     t = cfg.transport
     if t.kind not in TRANSPORTS:
@@ -447,8 +426,13 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"run.methods: {m!r} is not one of {METHODS}")
     if r.epochs_window not in EPOCHS_WINDOWS:
         p.append(f"run.epochs_window={r.epochs_window!r}: must be one of {EPOCHS_WINDOWS}")
-    if r.stall_timeout_s <= 0:
-        p.append(f"run.stall_timeout_s={r.stall_timeout_s}: must be > 0")
+    for key in ("stall_timeout_s", "startup_timeout_s", "progress_every_s"):
+        if getattr(r, key) <= 0:
+            p.append(f"run.{key}={getattr(r, key)}: must be > 0")
+    if r.on_error not in ON_ERROR:
+        p.append(f"run.on_error={r.on_error!r}: must be one of {ON_ERROR}")
+    if r.output_format not in OUTPUT_FORMATS:
+        p.append(f"run.output_format={r.output_format!r}: must be one of {OUTPUT_FORMATS}")
     if any(not _int(b) or not 1 <= b <= 64 for b in r.batch_sizes):
         p.append(f"run.batch_sizes={list(r.batch_sizes)}: integers in 1..64")
     if r.batch_sizes and r.mode != "benchmark":

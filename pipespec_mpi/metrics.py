@@ -150,7 +150,24 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
             batch_size=rs[0].batch_size,
             sequence_ms_per_token=_sequence_ms([r.ms_per_token for r in rs if r.n_new_tokens]),
             **_energy(rs, tokens),
+            **_cost(rs, tokens, wall),
         )
+    return out
+
+
+def _cost(rs: Sequence[Record], tokens: int, wall: float) -> dict:
+    """Core-hours (GPU-hours on GPUs) per million output tokens: the threads (GPUs) of one
+    replica's ranks times the method's decoding wall time (summed over replicas), over its tokens.
+    Absent from records that predate the counts."""
+    if not tokens:
+        return {}
+    cores = max(sum(s.threads for s in r.stages) for r in rs)
+    gpus = max(sum(s.n_gpus for s in r.stages) for r in rs)
+    out = {}
+    if cores:
+        out["core_hours_per_million_tokens"] = cores * wall / 3600 / tokens * 1e6
+    if gpus:
+        out["gpu_hours_per_million_tokens"] = gpus * wall / 3600 / tokens * 1e6
     return out
 
 

@@ -32,6 +32,7 @@ from pipespec_mpi.stage.stats import StageStats
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 BENCHMARK = "benchmark.json"
+ERRORS = "errors.jsonl"  # the rows not decoded: id, position, source, reason (data/requests.py BadRow)
 
 
 class RecordError(UserError, ValueError):
@@ -65,8 +66,15 @@ class Record:
     sample_idx: int = 0
     batch_size: int = 1  # sequences in flight per stage while this one decoded (stage/batch.py)
     slot: int = 0  # which of them
-    temperature: float = 0.0
+    temperature: float = 0.0  # the job's, or its row's own
+    top_p: float = 1.0
+    top_k: int = 0
     coupling: str = "leviathan"
+    position: int | None = None  # the row's place in the dataset (data/requests.py)
+    request: str = "prompt"  # prompt | chat (turns through the chat template)
+    openai: bool = False  # the row was an OpenAI batch request
+    truncated_tokens: int = 0  # prompt tokens cut away (dataset.truncate)
+    end_time: float | None = None  # Unix time the record was written (progress, ETA)
     bytes_sent: list[int] = field(default_factory=list)  # per stage
     seq: int
     prompt_ids: list[int]
@@ -80,7 +88,7 @@ class Record:
     lookahead: int | None  # the window a verifier waits for under this method
     max_run_ahead: int | None = None
     max_verify: int | None = None
-    max_new_tokens: int
+    max_new_tokens: int  # this job's budget: the row's max_tokens, else decode.max_new_tokens
     transport: str
     epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
     hosts: list[str] = field(default_factory=list)  # per stage: the host it ran on
@@ -134,6 +142,28 @@ def write_records(path: str | Path, records: Iterable[Record]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_json()) + "\n")
+
+
+def write_errors(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    """errors.jsonl: one bad row per line (``BadRow.to_json()``: id, position, source, reason)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for b in rows:
+            f.write(json.dumps(dict(b)) + "\n")
+
+
+def read_errors(path: str | Path) -> list[dict]:
+    """The lines of an errors.jsonl (none when the file is absent)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RecordError(path, i, f"not JSON: {err.msg}") from None
+    return out
 
 
 def drop_torn_tail(path: str | Path) -> bool:
@@ -217,6 +247,9 @@ class MethodSummary:
     # each sequence's own ms/token (its wall over its tokens: the latency a user of one prompt
     # sees): p50, p90, mean
     sequence_ms_per_token: dict[str, float] = field(default_factory=dict)
+    # the threads (GPUs) of a replica's ranks times the decoding wall, per million tokens
+    core_hours_per_million_tokens: float | None = None
+    gpu_hours_per_million_tokens: float | None = None
     # GPU runs only (absent from the file otherwise)
     energy_j_per_token_system: float | None = None
     energy_j_per_token_per_gpu: float | None = None
@@ -224,7 +257,8 @@ class MethodSummary:
 
     def to_json(self) -> dict:
         return _without_none(dataclasses.asdict(self), ("energy_j_per_token_system",
-                             "energy_j_per_token_per_gpu", "n_gpus_measured"))  # fmt: skip
+                             "energy_j_per_token_per_gpu", "n_gpus_measured",
+                             "core_hours_per_million_tokens", "gpu_hours_per_million_tokens"))  # fmt: skip
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "summary") -> MethodSummary:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.records import RESULTS, Record, read_records
+from pipespec_mpi.records import ERRORS, RESULTS, Record, read_errors, read_records, write_errors
 from pipespec_mpi.run.jobs import JobKey, batch_sizes, done_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,13 +43,29 @@ class ShardError(UserError):
 @dataclass(frozen=True)
 class ShardState:
     index: int
-    expected: int  # (prompt, method, sample) triples its config asks for
+    expected: int  # (prompt, method, sample, batch size) jobs its config asks for, bad rows not
     done: int
     started: bool  # its run directory exists
+    errors: int = 0  # its rows in errors.jsonl (never decoded)
+    tokens: int = 0  # output tokens of its done jobs
+    span_s: float = 0.0  # from its first record's start to its last record's end (Unix times)
 
     @property
     def finished(self) -> bool:
         return self.started and self.done >= self.expected
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.span_s if self.span_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """At its rate so far: None before two of its jobs have ended."""
+        if self.finished:
+            return 0.0
+        if self.done < 2 or self.span_s <= 0:
+            return None
+        return (self.expected - self.done) * self.span_s / self.done
 
 
 def shard_dirs(array_dir: Path) -> dict[int, Path]:
@@ -73,15 +89,33 @@ def run_config(run_dir: Path) -> AppConfig:
     return load_config(OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(path)))
 
 
-def expected_jobs(cfg: AppConfig) -> set[JobKey]:
-    """What a run of ``cfg`` decodes: its shard of the prompts, each method and sample."""
-    from pipespec_mpi.data.datasets import load_prompts, shard
+def expected_jobs(cfg: AppConfig, bad_positions: set[int] = frozenset()) -> set[JobKey]:
+    """What a run of ``cfg`` decodes: its shard of the rows (those not at ``bad_positions``,
+    errors.jsonl's, nor unreadable), each method, sample and batch size."""
+    from pipespec_mpi.data.datasets import Request, load_prompts, shard
 
     ds = cfg.dataset
     mine = shard(load_prompts(ds), ds.shard_index, ds.shard_count)
+    rows = [p for p in mine if isinstance(p, Request) and p.position not in bad_positions]
     methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
     n = cfg.sampling.num_samples
-    return {(p.id, m, k, b) for p in mine for m in methods for k in range(n) for b in batch_sizes(cfg)}
+    return {(p.id, m, k, b) for p in rows for m in methods for k in range(n) for b in batch_sizes(cfg)}
+
+
+def _activity(run_dir: Path, want: set[JobKey]) -> tuple[int, float]:
+    """Output tokens of the wanted jobs a run directory holds, and the span of their records."""
+    tokens, first, last = 0, None, None
+    for p in [run_dir / RESULTS, *sorted((run_dir / "parts").glob("*.jsonl"))]:
+        if not p.exists():
+            continue
+        for r in read_records(p):
+            if r.warmup or (r.prompt_id, r.method, r.sample_idx, r.batch_size) not in want:
+                continue
+            tokens += r.n_new_tokens
+            if r.end_time is not None:
+                first = min(first or r.end_time, r.end_time - r.wall_s)
+                last = max(last or r.end_time, r.end_time)
+    return tokens, (last - first) if first is not None else 0.0
 
 
 def array_config(array_dir: Path) -> AppConfig:
@@ -99,10 +133,12 @@ def status(array_dir: Path) -> tuple[AppConfig, list[ShardState]]:
     out = []
     for i in range(cfg.dataset.shard_count):
         mine = replace(cfg, dataset=replace(cfg.dataset, shard_index=i))
-        want = expected_jobs(mine)
         d = dirs.get(i)
+        errors = read_errors(d / ERRORS) if d is not None else []
+        want = expected_jobs(mine, {e["position"] for e in errors})
         have = done_jobs(d) & want if d is not None else set()
-        out.append(ShardState(i, len(want), len(have), d is not None))
+        tokens, span = _activity(d, have) if d is not None else (0, 0.0)
+        out.append(ShardState(i, len(want), len(have), d is not None, len(errors), tokens, span))
     return cfg, out
 
 
@@ -148,14 +184,19 @@ def merge(array_dir: Path) -> list[Record]:
 
     cfg = array_config(array_dir)
     records: dict[tuple, Record] = {}
+    errors: dict[int, dict] = {}
     for d in shard_dirs(array_dir).values():
         for p in [d / RESULTS, *sorted((d / "parts").glob("*.jsonl"))]:
             if p.exists():
                 for r in read_records(p):
                     records.setdefault((r.prompt_id, r.method, r.sample_idx, r.batch_size, r.warmup), r)
-    order = [p.id for p in load_prompts(cfg.dataset)]
+        for e in read_errors(d / ERRORS):
+            errors.setdefault(e["position"], e)
+    order = [p.id for p in load_prompts(cfg.dataset) if p.id is not None]
     merged = list(records.values())
-    write_run_files(cfg, Path(array_dir), merged, order)
+    bad = [errors[k] for k in sorted(errors)]
+    write_errors(Path(array_dir) / ERRORS, bad)
+    write_run_files(cfg, Path(array_dir), merged, order, bad)
     return merged
 
 
@@ -172,7 +213,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.action == "status":
             for s in states:
                 what = "finished" if s.finished else ("not started" if not s.started else "unfinished")
-                print(f"shard-{s.index}: {s.done}/{s.expected} {what}")
+                eta = s.eta_s
+                rate = f", {s.tokens_per_s:.1f} tokens/s" if s.span_s else ""
+                print(f"shard-{s.index}: {s.done}/{s.expected} {what}, {s.errors} bad rows{rate}"
+                      + (f", ETA {eta / 60:.1f} min" if eta else ""))  # fmt: skip
+            done, expected = sum(s.done for s in states), sum(s.expected for s in states)
+            running = [s for s in states if s.started and not s.finished and s.eta_s is not None]
+            eta = max((s.eta_s for s in running), default=None)  # the shards run side by side
+            print(f"array: {done}/{expected} jobs done, {sum(s.errors for s in states)} bad rows, "
+                  f"{sum(s.tokens for s in states)} tokens"
+                  + (f", ETA {eta / 60:.1f} min for the running shards" if eta else ""))  # fmt: skip
             print(f"missing: {array_spec(missing) or 'none'}")
             return 0 if not missing else 3
         if a.action == "resubmit":

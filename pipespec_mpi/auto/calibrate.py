@@ -62,7 +62,7 @@ class Calibration:
 
 def calibration_prompts(cfg: AppConfig, tokenizer) -> list[list[int]]:
     """Token ids of the prompts to calibrate on: the job's own first ones, or those of
-    ``auto.calibration_path`` (read as ``dataset=jsonl``, tokenized as the job's)."""
+    ``auto.calibration_path`` (read as ``dataset=files``, tokenized as the job's)."""
     from pipespec_mpi.data.datasets import DatasetError
     from pipespec_mpi.run.jobs import tokenize_prompts
 
@@ -71,17 +71,17 @@ def calibration_prompts(cfg: AppConfig, tokenizer) -> list[list[int]]:
         if not Path(a.calibration_path).is_file():
             raise DatasetError(f"auto.calibration_path={a.calibration_path!r}: no such file")
         given = replace(
-            ds, name="jsonl", path=a.calibration_path, n_prompts=a.calibration_prompts, shuffle=False
+            ds, name="files", path=a.calibration_path, n_prompts=a.calibration_prompts, shuffle=False
         )
         try:
-            items = tokenize_prompts(replace(cfg, dataset=given), tokenizer)
+            items = tokenize_prompts(replace(cfg, dataset=given), tokenizer).prompts
         except DatasetError as err:
             raise DatasetError(f"auto.calibration_path: {err}") from err
     else:
-        items = tokenize_prompts(cfg, tokenizer)
+        items = tokenize_prompts(cfg, tokenizer).prompts
     if not items:
         raise DatasetError("no prompts to calibrate on")
-    return [ids for _, ids, _ in items[: a.calibration_prompts]]
+    return [p.ids for p in items[: a.calibration_prompts]]
 
 
 def _prompt_digest(prompts: Sequence[Sequence[int]]) -> str:

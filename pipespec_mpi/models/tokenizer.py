@@ -14,6 +14,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, chat: bool) -> list[int]: ...
 
+    def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        """Chat turns ((role, content), ...) through the chat template, ready for the reply."""
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def fingerprint(self) -> str:
@@ -32,6 +35,11 @@ class ByteTokenizer:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         return [self.BOS, *text.encode("utf-8")]
 
+    def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        """A plain rendering (there is no template for bytes): one ``role: content`` line per
+        turn, then ``assistant:``."""
+        return self.encode("".join(f"{role}: {content}\n" for role, content in turns) + "assistant:")
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
@@ -49,15 +57,18 @@ class HFTokenizer:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
-            if not self.tok.chat_template:
-                raise ValueError("chat_template requested but the tokenizer has none")
-            ids = self.tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return self.encode_chat([("user", text)])
         return [int(i) for i in self.tok(text, add_special_tokens=True)["input_ids"]]
+
+    def encode_chat(self, turns: Sequence[tuple[str, str]]) -> list[int]:
+        if not self.tok.chat_template:
+            raise ValueError("chat turns need a chat template, and the tokenizer has none")
+        ids = self.tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in turns], add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -5,8 +5,10 @@ stage's stats to the replica's leader (its last stage), and what the leader does
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from pipespec_mpi.stage.stats import StageOutcome, StageStats
 from pipespec_mpi.topology import Placement
 
 STATS_TAG = 11
+log = logging.getLogger("pipespec_mpi")
 
 
 def part_path(run_dir: Path, replica: int) -> Path:
@@ -56,8 +59,12 @@ class LeaderHandoff:
     """Stage stats, with the rank's resource use, to the replica's leader (its last stage), which
     assembles the record."""
 
-    def __init__(self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None) -> None:
+    def __init__(
+        self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None, threads: int = 0,
+        n_gpus: int = 0,
+    ) -> None:  # fmt: skip
         self.comm, self.stage, self.leader = comm, stage, n_stages - 1
+        self.threads, self.n_gpus = threads, n_gpus
         self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
         self.on_record = on_record  # the leader's: (job, its outcome, every stage's stats) -> None
         self.req = None
@@ -68,6 +75,7 @@ class LeaderHandoff:
     def post(self, job: Job, outcome: StageOutcome) -> None:
         outcome.stats.gpus = self.gpu_monitor.stop()
         outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        outcome.stats.threads, outcome.stats.n_gpus = self.threads, self.n_gpus
         if self.stage != self.leader:
             self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)
             return
@@ -104,6 +112,7 @@ class RecordAssembler:
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
         cfg = self.cfg
+        sampling = job.prompt.sampling(cfg.sampling)
         n = len(outcome.tokens)
         commits = outcome.stats.commit_times
         t_wall = outcome.wall_s
@@ -115,8 +124,15 @@ class RecordAssembler:
             sample_idx=job.sample_idx,
             batch_size=job.batch_size,
             slot=job.slot,
-            temperature=cfg.sampling.temperature,
-            coupling=cfg.sampling.coupling,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            coupling=sampling.coupling,
+            position=job.prompt.position,
+            request="chat" if job.prompt.chat else "prompt",
+            openai=job.prompt.openai,
+            truncated_tokens=job.prompt.truncated,
+            end_time=time.time(),
             bytes_sent=[s.bytes_sent for s in stats],
             seq=job.seq,
             prompt_ids=job.prompt_ids,
@@ -130,7 +146,7 @@ class RecordAssembler:
             lookahead=cfg.decode.window(job.method),
             max_run_ahead=cfg.decode.max_run_ahead,
             max_verify=cfg.decode.max_verify,
-            max_new_tokens=cfg.decode.max_new_tokens,
+            max_new_tokens=job.max_new_tokens or cfg.decode.max_new_tokens,
             transport=self.transport,
             epochs_window=self.epochs_window,
             hosts=self.hosts,
@@ -140,12 +156,49 @@ class RecordAssembler:
         )
 
 
+class Progress:
+    """A replica's progress in its leader's log, every ``every_s`` and at the end: prompt runs
+    done and left, output tokens/s and the ETA at that rate (``python -m pipespec_mpi.shards
+    status`` adds an array's up from the records)."""
+
+    def __init__(self, replica: int, total: int, every_s: float, clock: Callable[[], float] = time.monotonic):
+        self.replica, self.total, self.every_s, self.clock = replica, total, every_s, clock
+        self.t0 = self.last = clock()
+        self.done = self.tokens = 0
+
+    def update(self, n_tokens: int) -> None:
+        self.done += 1
+        self.tokens += n_tokens
+        now = self.clock()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            log.info(self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.t0, 1e-9)
+        left = self.total - self.done
+        eta = left * elapsed / self.done if self.done else float("nan")
+        return (
+            f"progress: replica {self.replica}: {self.done}/{self.total} prompt runs done, {left} left, "
+            f"{self.tokens / elapsed:.1f} tokens/s, elapsed {_hms(elapsed)}, ETA {_hms(eta)}"
+        )
+
+
+def _hms(s: float) -> str:
+    if s != s:  # nan
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class Collector:
     """The leader's end of every job: its record appended to the replica's part (flushed and
     fsynced, so a killed job loses at most the prompts in flight), progress shown."""
 
-    def __init__(self, assemble: RecordAssembler, part: Path, progress=None) -> None:
-        self.assemble, self.bar = assemble, progress
+    def __init__(
+        self, assemble: RecordAssembler, part: Path, progress=None, log_progress: Progress | None = None
+    ) -> None:
+        self.assemble, self.bar, self.log_progress = assemble, progress, log_progress
         part.parent.mkdir(parents=True, exist_ok=True)
         drop_torn_tail(part)  # a resumed run appends after what a killed one left
         self.file = open(part, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
@@ -155,6 +208,8 @@ class Collector:
         self.file.write(json.dumps(rec.to_json()) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
+        if self.log_progress is not None:
+            self.log_progress.update(rec.n_new_tokens)
         if self.bar is not None:
             self.bar.update(1)
             last = rec.stages[-1]

@@ -1,6 +1,7 @@
 """The end of a run, on rank 0: every replica's part merged into results.jsonl (warm-ups first,
-then in prompt order), summary.json, benchmark.json (run.mode=benchmark), a printed table, and
-under Slurm the job's accounting appended to slurm.json."""
+then in prompt order), the file of ``run.output_format`` (run/outputs.py), summary.json,
+benchmark.json (run.mode=benchmark), a printed table, and under Slurm the job's accounting
+appended to slurm.json. errors.jsonl (the rows not decoded) was written at the start."""
 
 from __future__ import annotations
 
@@ -13,31 +14,42 @@ from pipespec_mpi import metrics
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.records import (
     BENCHMARK,
+    ERRORS,
     RESULTS,
     SUMMARY,
     BenchmarkRow,
     Record,
+    read_errors,
     read_records,
     write_benchmark,
     write_records,
     write_summary,
 )
 from pipespec_mpi.run.jobs import Prompt
+from pipespec_mpi.run.outputs import write_outputs
 from pipespec_mpi.run.slurm_info import append_slurm_record
 
 
 def finalize(cfg: AppConfig, run_dir: Path, prompts: list[Prompt]) -> None:
     records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
-    write_run_files(cfg, run_dir, records, [pid for pid, _, _ in prompts])
+    write_run_files(cfg, run_dir, records, [p.id for p in prompts], read_errors(run_dir / ERRORS))
     append_slurm_record(run_dir, os.environ)
 
 
-def write_run_files(cfg: AppConfig, run_dir: Path, records: list[Record], prompt_order: list[str]) -> None:
-    """results.jsonl (warm-ups first, then in prompt order), summary.json, benchmark.json and the
-    printed table, from ``records`` (a run's parts, or an array's shards: pipespec_mpi/shards.py)."""
+def write_run_files(
+    cfg: AppConfig,
+    run_dir: Path,
+    records: list[Record],
+    prompt_order: list[str],
+    errors: list[dict],
+) -> None:
+    """results.jsonl (warm-ups first, then in prompt order), the ``run.output_format`` file,
+    summary.json, benchmark.json and the printed table, from ``records`` (a run's parts, or an
+    array's shards: pipespec_mpi/shards.py) and ``errors`` (errors.jsonl's rows)."""
     order = {pid: i for i, pid in enumerate(prompt_order)}
     records = sorted(records, key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
     write_records(run_dir / RESULTS, records)
+    write_outputs(cfg.run.output_format, run_dir, records, errors, cfg.hierarchy.stages[-1].name)
     summary = metrics.summarize(records)
     write_summary(run_dir / SUMMARY, summary)
     if cfg.run.mode == "benchmark":
@@ -53,6 +65,8 @@ def write_run_files(cfg: AppConfig, run_dir: Path, records: list[Record], prompt
                 f"accepted/verification {acc}",
                 flush=True,
             )
+    if errors:
+        print(f"[pipespec_mpi] {len(errors)} row(s) not decoded: {run_dir / ERRORS}", flush=True)
     print(f"[pipespec_mpi] results in {run_dir}", flush=True)
 
 

@@ -1,19 +1,49 @@
-"""What a replica decodes: the run's prompts tokenized, its jobs planned (skipping those a resumed
-run already finished), and each job's sampler."""
+"""What a replica decodes: the run's rows tokenized into prompts (or set aside as bad rows, with
+their reason), its jobs planned (skipping those a resumed run already finished), and each job's
+sampler."""
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pipespec_mpi.config import AppConfig
-from pipespec_mpi.data.datasets import load_prompts, shard
+from pipespec_mpi.config import AppConfig, SamplingConfig
+from pipespec_mpi.data.datasets import BadRow, DatasetError, Request, load_prompts, shard
+from pipespec_mpi.data.requests import RowSettings
 from pipespec_mpi.records import RESULTS, read_records
 from pipespec_mpi.speculative.sampling import Sampler, mix
 from pipespec_mpi.topology import Placement
 
-Prompt = tuple[str, list[int], str]  # (id, token ids, text)
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request tokenized: what every stage of a replica decodes for it."""
+
+    id: str
+    ids: list[int]
+    position: int  # the row's place in the dataset (data/requests.py)
+    settings: RowSettings = field(default_factory=RowSettings)
+    chat: bool = False  # chat turns, the template applied
+    openai: bool = False  # an OpenAI batch request
+    truncated: int = 0  # prompt tokens cut away (dataset.truncate)
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.settings.max_tokens or default
+
+    def sampling(self, job: SamplingConfig) -> SamplingConfig:
+        return self.settings.sampling(job)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The run's prompts, and the rows that will not be decoded (errors.jsonl)."""
+
+    prompts: list[Prompt]
+    bad: list[BadRow]
+
+
 JobKey = tuple[str, str, int, int]  # (prompt id, method, sample index, batch size)
 
 
@@ -23,38 +53,105 @@ class Job:
     sequences all decode at ``batch_size`` (``slot``: which of the phase's slots decodes it)."""
 
     seq: int
-    prompt_id: str
-    prompt_ids: list[int]
+    prompt: Prompt
     method: str
     warmup: bool
     sample_idx: int = 0
     batch_size: int = 1
     phase: int = 0
     slot: int = 0
+    max_new_tokens: int | None = None  # the row's own budget (None: decode.max_new_tokens)
+
+    @property
+    def prompt_id(self) -> str:
+        return self.prompt.id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
 
     @property
     def key(self) -> JobKey:
         return (self.prompt_id, self.method, self.sample_idx, self.batch_size)
 
 
-def tokenize_prompts(cfg: AppConfig, tokenizer) -> list[Prompt]:
-    """(id, token ids, text) for the run's prompts; raises on prompts that cannot fit."""
-    chat = cfg.dataset.chat_template
-    if chat is None:
-        chat = cfg.hierarchy.tokenizer.chat_template
-    out = []
+def _tokens(req: Request, tokenizer, chat: bool) -> list[int]:
+    if req.chat:
+        return tokenizer.encode_chat(req.messages)
+    return tokenizer.encode(req.text, chat=chat)
+
+
+def prepare(req: Request, cfg: AppConfig, tokenizer) -> Prompt | BadRow:
+    """One request tokenized, or why it cannot be decoded: empty, a budget over
+    ``decode.max_new_tokens``, or longer than ``dataset.max_prompt_tokens`` (cut only when
+    ``dataset.truncate`` says which end goes)."""
+    ds = cfg.dataset
+
+    def bad(reason: str) -> BadRow:
+        return BadRow(req.position, req.source, reason, req.id)
+
+    if req.chat and not any(content.strip() for _, content in req.messages):
+        return bad("empty prompt: every turn's content is empty")
+    if not req.chat and not req.text.strip():
+        return bad("empty prompt")
+    limit = cfg.decode.max_new_tokens
+    if req.settings.max_tokens is not None and req.settings.max_tokens > limit:
+        return bad(f"max_tokens={req.settings.max_tokens} is more than decode.max_new_tokens={limit}, "
+                   "the most a job decodes per prompt (raise it to decode this row)")  # fmt: skip
+    chat = cfg.hierarchy.tokenizer.chat_template if ds.chat_template is None else ds.chat_template
+    try:
+        ids = _tokens(req, tokenizer, chat)
+    except ValueError as err:  # e.g. chat turns for a tokenizer without a chat template
+        return bad(f"cannot be tokenized: {err}")
+    cut, n = 0, ds.max_prompt_tokens
+    if len(ids) > n:
+        if ds.truncate is None:
+            return bad(f"the prompt is {len(ids)} tokens, more than dataset.max_prompt_tokens={n} "
+                       "(dataset.truncate=left or right cuts it instead)")  # fmt: skip
+        cut = len(ids) - n
+        # left: the first token (BOS) and the end stay; right: the start stays
+        ids = ids[:1] + ids[len(ids) - (n - 1) :] if ds.truncate == "left" else ids[:n]
+    return Prompt(req.id, ids, req.position, req.settings, req.chat, req.openai, cut)
+
+
+def tokenize_prompts(cfg: AppConfig, tokenizer) -> Prepared:
+    """The run's rows (``load_prompts``) as prompts and bad rows, in the rows' order; a second
+    row with an id already seen is a bad row (ids key the results and a resumed run)."""
+    prompts, bad, seen = [], [], {}
     for item in load_prompts(cfg.dataset):
-        ids = tokenizer.encode(item.text, chat=chat)
-        if len(ids) > cfg.dataset.max_prompt_tokens:
-            ids = ids[:1] + ids[-(cfg.dataset.max_prompt_tokens - 1) :]  # keep BOS and the end
-        out.append((item.id, ids, item.text))
-    return out
+        got = item if isinstance(item, BadRow) else prepare(item, cfg, tokenizer)
+        if isinstance(got, Prompt):
+            if got.id in seen:
+                got = BadRow(got.position, item.source, f"duplicate id (first at row {seen[got.id]})", got.id)
+            else:
+                seen[got.id] = got.position
+        (prompts if isinstance(got, Prompt) else bad).append(got)
+    return Prepared(prompts, bad)
+
+
+def check_rows(prompts: Sequence[Prompt], bad: Sequence[BadRow], on_error: str) -> None:
+    """Stop the job when a bad row must stop it (``run.on_error=fail``), or when no row is left.
+    Every rank holds the same rows, so every rank raises alike (reported once)."""
+    err = None
+    if bad and on_error == "fail":
+        b = bad[0]
+        err = DatasetError(
+            f"row {b.position} ({b.source or 'context check'}, id {b.id!r}): {b.reason}; {len(bad)} bad "
+            "row(s) in all (run.on_error=skip writes them to errors.jsonl and decodes the rest)"
+        )
+    elif not prompts:
+        reasons = "; ".join(sorted({b.reason for b in bad})[:3])
+        err = DatasetError(f"none of the {len(bad)} rows can be decoded (errors.jsonl): {reasons}")
+    if err is not None:
+        err.collective = True
+        raise err
 
 
 def sampler_for(cfg: AppConfig, job: Job) -> Sampler:
-    """The job's sampler: its noise depends on (seed, prompt, sample index) only, so every
-    method and every rerun of the same sample draws the same tokens."""
-    s = cfg.sampling
+    """The job's sampler: the job's sampling with its row's own settings; its noise depends on
+    (seed, prompt, sample index) only, so every method and every rerun of the same sample draws
+    the same tokens."""
+    s = job.prompt.sampling(cfg.sampling)
     key = mix(s.seed, zlib.crc32(job.prompt_id.encode()), job.sample_idx)
     return Sampler(s, key)
 
@@ -77,18 +174,19 @@ def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[Jo
     jobs: list[Job] = []
     seq = phase = 0
     if cfg.run.mode == "benchmark" and mine and cfg.run.warmup_prompts:
-        for pid, ids, _ in mine[: cfg.run.warmup_prompts]:
+        for p in mine[: cfg.run.warmup_prompts]:
             for m in methods:
                 seq += 1
-                jobs.append(Job(seq, pid, ids, m, warmup=True))
+                jobs.append(Job(seq, p, m, warmup=True, max_new_tokens=p.settings.max_tokens))
     for b in batch_sizes(cfg):
         for group in [methods] if b == 1 else [[m] for m in methods]:
             phase += 1
-            for pid, ids, _ in mine:
+            for p in mine:
                 for k in range(cfg.sampling.num_samples):
                     for m in group:
                         seq += 1
-                        job = Job(seq, pid, ids, m, warmup=False, sample_idx=k, batch_size=b, phase=phase)
+                        job = Job(seq, p, m, warmup=False, sample_idx=k, batch_size=b, phase=phase,
+                                  max_new_tokens=p.settings.max_tokens)  # fmt: skip
                         if job.key not in done:
                             jobs.append(job)
     return jobs

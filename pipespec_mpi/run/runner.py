@@ -22,10 +22,12 @@ from pipespec_mpi.errors import UserError
 from pipespec_mpi.faults import maybe_fail
 from pipespec_mpi.gpu_monitor import GpuMonitor
 from pipespec_mpi.models.base import score_batch
+from pipespec_mpi.records import ERRORS, write_errors
 from pipespec_mpi.run import setup
 from pipespec_mpi.run.collect import (
     Collector,
     LeaderHandoff,
+    Progress,
     RecordAssembler,
     VoteGate,
     part_path,
@@ -33,8 +35,18 @@ from pipespec_mpi.run.collect import (
 )
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
 from pipespec_mpi.run.finalize import finalize
-from pipespec_mpi.run.jobs import Job, JobKey, batch_sizes, done_jobs, phases, plan_jobs, sampler_for
+from pipespec_mpi.run.jobs import (
+    Job,
+    JobKey,
+    batch_sizes,
+    check_rows,
+    done_jobs,
+    phases,
+    plan_jobs,
+    sampler_for,
+)
 from pipespec_mpi.run.setup import PerfClock
+from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.loop import StageLoop
@@ -57,9 +69,15 @@ class Runner:
         stop = StopRequest(self.run_dir)
         if self.world.rank == 0:  # before _done()'s broadcast: no rank reads it earlier
             clear_stale_stop_file(self.run_dir, psutil.Process().create_time())
-        loaded = setup.load(cfg, self.world, pl)
+        watchdog = StartupWatchdog(cfg.run.startup_timeout_s, self.world.rank, self.world.hosts)
+        loaded = setup.load(cfg, self.world, pl, watchdog)
+        if self.world.rank == 0:  # before any job: shards status counts them while the job runs
+            write_errors(self.run_dir / ERRORS, [b.to_json() for b in loaded.bad])
+        check_rows(loaded.prompts, loaded.bad, cfg.run.on_error)
         n_slots = max(batch_sizes(cfg))
-        slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
+        with watchdog.phase("channels and windows"):
+            slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
+        watchdog.close()
         loops = [setup.stage_loop(cfg, pl, loaded, ln, slot=s) for s, ln in enumerate(slot_links)]
         links = slot_links[0]
         jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
@@ -74,6 +92,7 @@ class Runner:
                 assemble,
                 part=part_path(self.run_dir, pl.replica),
                 progress=progress_bar(cfg, pl, len(jobs)),
+                log_progress=Progress(pl.replica, len(jobs), cfg.run.progress_every_s),
             )
         index = {job.seq: i for i, job in enumerate(jobs)}
 
@@ -85,8 +104,9 @@ class Runner:
             # GPU energy is per job; batched jobs overlap, so they are not measured
             monitor = loaded.gpu_monitor if alone else GpuMonitor([])
             handoff = LeaderHandoff(
-                slot_links[s].replica_comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector
-            )
+                slot_links[s].replica_comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
+                threads=loaded.threads, n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
+            )  # fmt: skip
             return StageProcess(
                 loops[s], VoteGate(slot_links[s].replica_comm, stop), handoff, slot_jobs,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,

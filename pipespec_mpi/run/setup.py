@@ -20,9 +20,10 @@ from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_send
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
-from pipespec_mpi.data.datasets import DatasetError
+from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.run.jobs import Prompt, tokenize_prompts
+from pipespec_mpi.run.jobs import Prepared, Prompt, tokenize_prompts
+from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for
 
@@ -30,10 +31,6 @@ log = logging.getLogger("pipespec_mpi")
 
 
 class TokenizerMismatch(UserError):
-    pass
-
-
-class PromptTooLong(UserError):
     pass
 
 
@@ -73,14 +70,23 @@ class Loaded:
     cuda_devices: list[int]
     tokenizer: Any
     prompts: list[Prompt]  # every rank has all of them (rank 0 tokenizes, broadcasts)
+    bad: list[BadRow]  # the rows not decoded, and why (errors.jsonl)
     model: Any
     vocab: int  # the widest logit row of the stages
     gpu_monitor: Any  # GpuMonitor
 
+    @property
+    def sampled(self) -> bool:
+        """Some job samples (the job's temperature, or a row's own)."""
+        return self.temperature > 0 or any((p.settings.temperature or 0) > 0 for p in self.prompts)
 
-def load(cfg: AppConfig, world: World, pl: Placement) -> Loaded:
+    temperature: float = 0.0  # sampling.temperature
+
+
+def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog) -> Loaded:
     """Threads, GPUs and transport for this rank; the tokenizer (checked against every stage's);
-    the prompts; this stage's model (checked against the context and every stage's vocabulary)."""
+    the prompts; this stage's model (checked against the context and every stage's vocabulary).
+    Each phase runs under ``watchdog`` (run/startup.py)."""
     import torch
 
     from pipespec_mpi.gpu_monitor import GpuMonitor
@@ -96,48 +102,52 @@ def load(cfg: AppConfig, world: World, pl: Placement) -> Loaded:
     if transport in ("gloo", "nccl"):
         if transport == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("transport.kind=nccl needs CUDA; use transport.kind=mpi or gloo on CPUs")
-        init_torch_distributed(world, transport, cfg.transport.iface)
+        with watchdog.phase(f"rendezvous ({transport})"):
+            init_torch_distributed(world, transport, cfg.transport.iface)
 
-    tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
-    check_tokenizers(cfg, pl, comm, tokenizer)
-    prompts = shared_prompts(cfg, comm, tokenizer)
+    with watchdog.phase("tokenizer and rows"):
+        tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+        check_tokenizers(cfg, pl, comm, tokenizer)
+        prepared = shared_prompts(cfg, comm, tokenizer)
 
-    t0 = time.perf_counter()
-    model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
-    log.info(
-        "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
-        *(pl.stage, stage_cfg.name, time.perf_counter() - t0, threads, transport),
-    )
-    check_context(cfg, pl, model, prompts)
-    vocab = agree_vocab(cfg, pl, comm, model, tokenizer)
-    return Loaded(
-        transport=transport,
-        threads=threads,
-        cuda_devices=cuda_devices,
-        tokenizer=tokenizer,
-        prompts=prompts,
-        model=model,
-        vocab=vocab,
-        gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
-    )
+    with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
+        t0 = time.perf_counter()
+        model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
+        log.info(
+            "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, threads, transport),
+        )
+        prepared = fit_context(cfg, pl, comm, model, prepared)
+        loaded = Loaded(
+            transport=transport,
+            threads=threads,
+            cuda_devices=cuda_devices,
+            tokenizer=tokenizer,
+            prompts=prepared.prompts,
+            bad=prepared.bad,
+            model=model,
+            vocab=0,
+            gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
+            temperature=cfg.sampling.temperature,
+        )
+        loaded.vocab = agree_vocab(cfg, pl, comm, model, tokenizer, loaded.sampled)
+    return loaded
 
 
-def shared_prompts(cfg: AppConfig, comm, tokenizer) -> list[Prompt]:
-    """Rank 0 loads and tokenizes the prompts and broadcasts them; a bad dataset is raised on
-    every rank (reported once)."""
-    prompts = err = None
+def shared_prompts(cfg: AppConfig, comm, tokenizer) -> Prepared:
+    """Rank 0 reads and tokenizes the rows and broadcasts them; a dataset that cannot be read
+    is raised on every rank (reported once)."""
+    prepared = err = None
     if comm.Get_rank() == 0:
         try:
-            prompts = tokenize_prompts(cfg, tokenizer)
-            if not prompts:
-                raise DatasetError(f"dataset {cfg.dataset.name!r} gave no prompts")
+            prepared = tokenize_prompts(cfg, tokenizer)
         except UserError as e:  # reported by rank 0, raised on every rank
             err = e
-    prompts, err = comm.bcast((prompts, err), root=0)
+    prepared, err = comm.bcast((prepared, err), root=0)
     if err is not None:
         err.collective = True
         raise err
-    return prompts
+    return prepared
 
 
 def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
@@ -153,26 +163,33 @@ def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
         raise err
 
 
-def check_context(cfg: AppConfig, pl: Placement, model, prompts: list[Prompt]) -> None:
-    """The longest prompt plus max_new_tokens must fit the model's context."""
-    context = getattr(model, "max_context", None)
-    longest = max(len(ids) for _, ids, _ in prompts) + cfg.decode.max_new_tokens
-    if context is not None and longest > context:
-        name = cfg.hierarchy.stages[pl.stage].name
-        raise PromptTooLong(
-            f"stage {pl.stage} ({name}): the longest prompt plus max_new_tokens is {longest} "
-            f"tokens, more than the model's context of {context}; lower dataset.max_prompt_tokens "
-            "or max_new_tokens"
-        )
+def fit_context(cfg: AppConfig, pl: Placement, comm, model, prepared: Prepared) -> Prepared:
+    """The prompts that fit every stage's context with their token budget; the others become
+    bad rows (the same on every rank: the contexts are gathered)."""
+    mine = (getattr(model, "max_context", None), pl.stage, cfg.hierarchy.stages[pl.stage].name)
+    contexts = [got for got in comm.allgather(mine) if got[0] is not None]
+    if not contexts:
+        return prepared
+    context, stage, name = min(contexts)
+    keep, bad = [], list(prepared.bad)
+    for p in prepared.prompts:
+        budget = p.max_new_tokens(cfg.decode.max_new_tokens)
+        if len(p.ids) + budget > context:
+            why = (f"the prompt ({len(p.ids)} tokens) plus max_tokens ({budget}) is more than the "
+                   f"context of stage {stage} ({name}), {context} tokens")  # fmt: skip
+            bad.append(BadRow(p.position, "", why, p.id))
+        else:
+            keep.append(p)
+    return Prepared(keep, sorted(bad, key=lambda b: b.position))
 
 
-def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer) -> int:
+def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer, sampled: bool) -> int:
     """All stages must speak the tokenizer's ids: gather (stage, model vocab) and compare; the
-    widest logit row."""
+    widest logit row (``sampled``: some job samples)."""
     vocab = getattr(model, "vocab_size", None)
     got = comm.allgather((pl.stage, cfg.hierarchy.stages[pl.stage].name, vocab))
     widths = {v for _, _, v in got if v is not None}
-    if len(widths) > 1 and cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan":
+    if len(widths) > 1 and sampled and cfg.sampling.coupling == "leviathan":
         raise TokenizerMismatch(f"sampling needs equal logit widths across stages, got {sorted(widths)}")
     need = tokenizer.vocab_size
     bad = [
@@ -227,7 +244,7 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: i
         device = torch.device(f"cuda:{loaded.cuda_devices[0]}")
     t = cfg.transport
     # Leviathan sampling: each proposal carries the float32 distribution it was drawn from.
-    leviathan = cfg.sampling.temperature > 0 and cfg.sampling.coupling == "leviathan"
+    leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     dist_width = loaded.vocab if leviathan else 0
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
     chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot))

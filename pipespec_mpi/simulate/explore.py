@@ -209,6 +209,7 @@ class ExJob:
     seq: int
     prompt_ids: list[int]
     method: str
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True)

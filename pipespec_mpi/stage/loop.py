@@ -11,7 +11,7 @@
      the rest into the inbox; a proposal contradicting our committed tokens bumps our epoch
   4. decide (speculative/policy.py) and act: a draft or lookup, a verification, an own step,
      or wait; publish the header and send what is new
-The last stage stops at EOS or ``max_new_tokens`` and raises ``done``; each stage relays it up.
+The last stage stops at EOS or the prompt's ``max_new_tokens`` and raises ``done``; each stage relays it up.
 Every part is a port (stage/ports.py), so ranks, the simulator and the schedule explorer all
 drive this one loop; a driver calls ``step()`` until it says DONE, sleeping while it says WAITING.
 """
@@ -147,16 +147,20 @@ class StageLoop:
         self.win.beat()
         self.mailbox.pump()
 
-    def begin(self, prompt: Sequence[int], method: str, verifier: Verifier) -> None:
-        """Start decoding ``prompt`` (after ``reset``): prefill, then ``step()``."""
+    def begin(
+        self, prompt: Sequence[int], method: str, verifier: Verifier, max_new_tokens: int | None = None
+    ) -> None:
+        """Start decoding ``prompt`` (after ``reset``): prefill, then ``step()``. ``max_new_tokens``:
+        this prompt's budget, at most the configured one (the window and buffers are sized by it)."""
         self.prompt, self.method, self.verifier = list(prompt), method, verifier
+        self.limit = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
         self.t_start = self.clock.now()
         self.stats.t0_perf_counter = self.t_start
         if method == "ar" and not self.role.is_last:  # AR: the last model alone; the others idle
             self.finish_reason = "idle"
             return
         # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
-        room = self.cfg.max_new_tokens + self.cfg.max_verify + 1
+        room = self.limit + self.cfg.max_verify + 1
         if self.is_scorer:
             self.model.prefill(self.prompt, room=room)
         else:  # a drafter's job store is the method's own (models/suffix.py)
@@ -303,7 +307,7 @@ class StageLoop:
     def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> None:
         if self.eos in tokens:
             tokens = tokens[: tokens.index(self.eos) + 1]
-        tokens = tokens[: self.cfg.max_new_tokens - len(self.out)]
+        tokens = tokens[: self.limit - len(self.out)]
         if self.sender is not None and self.verifier.carries_dists:
             if dists is None or any(d is None for d in dists[: len(tokens)]):
                 raise ProtocolError(f"stage {self.role.stage}: a token to send has no distribution")
@@ -418,7 +422,7 @@ class StageLoop:
 
     @property
     def _capped(self) -> bool:
-        return len(self.out) >= self.cfg.max_new_tokens or (bool(self.out) and self.out[-1] == self.eos)
+        return len(self.out) >= self.limit or (bool(self.out) and self.out[-1] == self.eos)
 
     def _confirmed(self) -> int:
         """How many of our tokens the downstream has committed, as last read (the last stage:

@@ -30,6 +30,7 @@ class Job(Protocol):
     seq: int  # increasing over a replica's jobs: what headers and messages are tagged with
     prompt_ids: list[int]
     method: str
+    max_new_tokens: int | None  # the prompt's own budget (None: the stage's decode.max_new_tokens)
 
 
 class Gate(Protocol):
@@ -108,7 +109,8 @@ class StageProcess:
                 return Step.DONE
             if self.on_start is not None:
                 self.on_start(self.job)
-            self.loop.begin(self.job.prompt_ids, self.job.method, self.verifier_for(self.job))
+            job = self.job
+            self.loop.begin(job.prompt_ids, job.method, self.verifier_for(job), job.max_new_tokens)
             self.phase = "decode"
             return Step.PROGRESS
         if self.phase == "decode":

@@ -34,6 +34,8 @@ class StageStats:
     timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
     peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
+    threads: int = 0  # the CPU threads this rank computes with (its share of the node's cores)
+    n_gpus: int = 0  # the GPUs it holds
     bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
     drafter: dict = field(default_factory=dict)  # a model-free stage 0's own counters (models/suffix.py)
     gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb

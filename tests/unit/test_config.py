@@ -26,7 +26,8 @@ def test_the_composed_default_is_the_dataclass_defaults():
     defaults = {f.name: f.default for f in fields(AppConfig) if f.name not in ("hierarchy",)}
     assert c.method == defaults["method"] == "pipespec"
     assert c.decode == DecodeConfig()
-    assert c.dataset == DatasetConfig()  # conf/dataset/humaneval.yaml only names the dataset
+    # conf/dataset/humaneval.yaml names the dataset and its benchmark sample (4 prompts, shuffled)
+    assert c.dataset == DatasetConfig(n_prompts=4, shuffle=True)
     assert c.run == RunConfig()
     assert c.sampling == SamplingConfig()
     assert c.transport == TransportConfig()

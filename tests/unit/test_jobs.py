@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.run.jobs import phases, plan_jobs
+from pipespec_mpi.data.requests import RowSettings
+from pipespec_mpi.run.jobs import Prompt, phases, plan_jobs
 from pipespec_mpi.topology import place
 
-PROMPTS = [(f"p{i}", [1, 2 + i], f"text {i}") for i in range(5)]
+PROMPTS = [Prompt(f"p{i}", [1, 2 + i], i) for i in range(5)]
 
 
 def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_size():
@@ -32,3 +33,10 @@ def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size
     assert [j.slot for j in phases(jobs)[0]] == [0, 1, 2, 0, 1]
     done = {("p0", "sd", 0, 3), ("p1", "sd", 0, 1)}  # p1 was decoded at another batch size
     assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, place(0, 3, 3), done)] == ["p1", "p2", "p3", "p4"]
+
+
+def test_a_rows_own_budget_rides_with_each_of_its_jobs():
+    cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]"])
+    prompts = [Prompt("short", [1, 2], 0, RowSettings(max_tokens=3)), Prompt("plain", [1, 3], 1)]
+    jobs = plan_jobs(cfg, prompts, place(0, 3, 3), set())
+    assert {(j.prompt_id, j.max_new_tokens) for j in jobs} == {("short", 3), ("plain", None)}

@@ -1,0 +1,69 @@
+"""What a job reads: ``DatasetConfig`` (the ``dataset`` node), the only home of its defaults, and
+its validation (``problems``, called once by ``config.validate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DATASETS = ("humaneval", "news", "files", "jsonl", "synthetic", "hub")
+FILE_FORMATS = ("auto", "jsonl", "parquet")  # auto: by each file's suffix (.jsonl/.json, .parquet)
+TRUNCATIONS = (None, "left", "right")
+
+
+@dataclass
+class DatasetConfig:
+    """Which prompts (conf/dataset/<name>.yaml names the dataset and its files).
+
+    ``files`` (alias ``jsonl``): the user's JSONL or Parquet file, or a folder of them, read as a
+    stream in file order (data/requests.py). A row holds a ``prompt`` or chat ``messages`` (or is
+    an OpenAI batch request: ``custom_id`` and ``body``), an optional ``id`` and its own
+    ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``."""
+
+    name: str = "humaneval"
+    path: str | None = None  # dataset=files: a .jsonl/.parquet file or a folder of them
+    file_format: str = "auto"
+    prompt_field: str = "prompt"  # the row's fields, renamed for files that name them otherwise
+    messages_field: str = "messages"
+    id_field: str = "id"
+    n_prompts: int | None = None  # None: every row (the built-in benchmarks' configs say 4)
+    shuffle: bool = False  # a seeded shuffle before taking n_prompts (the benchmarks': true)
+    seed: int = 0  # the shuffle's (and the synthetic text's) seed
+    chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
+    max_prompt_tokens: int = 512  # a longer prompt is a bad row, unless ``truncate`` says how to cut
+    truncate: str | None = None  # left: keep the first token and the end; right: keep the start
+    shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
+    shard_count: int = 1
+    hub_name: str | None = None
+    split: str = "test"
+
+    @property
+    def user_files(self) -> bool:
+        return self.name in ("files", "jsonl")
+
+
+def problems(ds: DatasetConfig) -> list[str]:
+    """Every offending value of the ``dataset`` node, named."""
+    p = []
+    if ds.name not in DATASETS:
+        p.append(f"dataset.name={ds.name!r}: must be one of {DATASETS}")
+    if ds.user_files and not ds.path:
+        p.append(f"dataset.path: required for dataset={ds.name}")
+    if ds.file_format not in FILE_FORMATS:
+        p.append(f"dataset.file_format={ds.file_format!r}: must be one of {FILE_FORMATS}")
+    if ds.n_prompts is not None and (not isinstance(ds.n_prompts, int) or ds.n_prompts < 1):
+        p.append(f"dataset.n_prompts={ds.n_prompts}: must be an integer >= 1, or null for every row")
+    if ds.name == "synthetic" and ds.n_prompts is None:
+        p.append("dataset.n_prompts: dataset=synthetic needs a count (it has no end)")
+    if ds.shard_count < 1 or not 0 <= ds.shard_index < ds.shard_count:
+        p.append(
+            f"dataset.shard_index={ds.shard_index}, dataset.shard_count={ds.shard_count}: "
+            "need 0 <= shard_index < shard_count"
+        )
+    if ds.max_prompt_tokens < 1:
+        p.append(f"dataset.max_prompt_tokens={ds.max_prompt_tokens}: must be >= 1")
+    if ds.truncate not in TRUNCATIONS:
+        p.append(f"dataset.truncate={ds.truncate!r}: must be left, right or null (a long prompt is an error)")
+    for name in ("prompt_field", "messages_field", "id_field"):
+        if not getattr(ds, name):
+            p.append(f"dataset.{name}: must name a field")
+    return p

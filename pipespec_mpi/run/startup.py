@@ -1,0 +1,105 @@
+"""Start-up under a watchdog: every phase before the first prompt (rendezvous, loading, opening the
+channels and windows) has ``run.startup_timeout_s``; one that overruns ends the whole job with one
+message naming the phase, the rank and the job's hosts, instead of hanging with empty logs (a
+multi-host gloo job whose rendezvous could not happen once sat 240 s with nothing in rank*.log).
+
+The stall watchdog (comm/wait.py) covers the decoding; this covers what comes before it. Each
+phase is logged as it starts, on every rank (its rank*.log), so a slow phase is visible while it
+runs, not only when it fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+log = logging.getLogger("pipespec_mpi")
+
+HINTS = {
+    "rendezvous": "the ranks could not meet: check transport.iface (GLOO_SOCKET_IFNAME / "
+    "NCCL_SOCKET_IFNAME), that every host reaches the first host's address and that no firewall "
+    "drops the port",
+}
+
+
+class StartupWatchdog:
+    """``with watchdog.phase("model load"): ...``: a phase that has not ended ``timeout_s`` after
+    it began calls ``on_timeout(message)`` from the watchdog's thread (by default: abort the job,
+    comm/bootstrap.py ``abort_job``). One thread for all phases, waiting on a condition: no
+    polling, no cost while phases end in time."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        hosts: Sequence[str],
+        on_timeout: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.timeout_s, self.rank, self.hosts = timeout_s, rank, list(hosts)
+        self.on_timeout = on_timeout or _abort
+        self.clock = clock
+        self._cv = threading.Condition()
+        self._current: tuple[str, float] | None = None  # (phase, deadline)
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="pipespec-startup-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = self.clock()
+        log.info("start-up: %s (rank %d, limit %.0f s)", name, self.rank, self.timeout_s)
+        with self._cv:
+            self._current = (name, t0 + self.timeout_s)
+            self._cv.notify()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._current = None
+                self._cv.notify()
+            log.info("start-up: %s done in %.1f s", name, self.clock() - t0)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def message(self, name: str) -> str:
+        host = self.hosts[self.rank] if self.rank < len(self.hosts) else "?"
+        hint = HINTS.get(
+            name.split(" ")[0], "a peer may have died or be stuck in its own start-up; see its rank*.log"
+        )
+        return (
+            f"[pipespec_mpi] start-up phase '{name}' did not end within run.startup_timeout_s="
+            f"{self.timeout_s:g} s on rank {self.rank} ({host}); the job's hosts: "
+            f"{', '.join(sorted(set(self.hosts)))}; {hint}\n"
+        )
+
+    def _watch(self) -> None:
+        with self._cv:
+            while not self._closed:
+                if self._current is None:
+                    self._cv.wait()
+                    continue
+                name, deadline = self._current
+                left = deadline - self.clock()
+                if left > 0:
+                    self._cv.wait(timeout=left)
+                    continue
+                self._current = None
+                self._cv.release()
+                try:
+                    self.on_timeout(self.message(name))
+                finally:
+                    self._cv.acquire()
+
+
+def _abort(message: str) -> None:
+    from pipespec_mpi.comm.bootstrap import abort_job
+
+    abort_job(message, code=3)
