@@ -16,7 +16,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from pipespec_mpi.errors import UserError
+from pipespec_mpi.faults import maybe_fail
+
 log = logging.getLogger("pipespec_mpi")
+
+
+class StartupError(RuntimeError):
+    """A start-up phase failed (its cause chained): the phase, the rank, the hosts, a hint."""
+
 
 HINTS = {
     "rendezvous": "the ranks could not meet: check transport.iface (GLOO_SOCKET_IFNAME / "
@@ -56,12 +64,17 @@ class StartupWatchdog:
             self._current = (name, t0 + self.timeout_s)
             self._cv.notify()
         try:
+            maybe_fail(self.rank, name)  # PIPESPEC_INJECT_FAULT=hang@RANK:PHASE (faults.py)
             yield
+        except UserError:
+            raise  # already says what to fix
+        except Exception as err:
+            raise StartupError(self.message(name, f"failed: {err}")) from err
         finally:
             with self._cv:
                 self._current = None
                 self._cv.notify()
-            log.info("start-up: %s done in %.1f s", name, self.clock() - t0)
+        log.info("start-up: %s done in %.1f s", name, self.clock() - t0)
 
     def close(self) -> None:
         with self._cv:
@@ -69,15 +82,14 @@ class StartupWatchdog:
             self._cv.notify()
         self._thread.join()
 
-    def message(self, name: str) -> str:
+    def message(self, name: str, what: str | None = None) -> str:
         host = self.hosts[self.rank] if self.rank < len(self.hosts) else "?"
-        hint = HINTS.get(
-            name.split(" ")[0], "a peer may have died or be stuck in its own start-up; see its rank*.log"
-        )
+        other = "a peer may have died or be stuck in its own start-up; see its rank*.log"
+        hint = HINTS.get(name.split(" ")[0], other)
+        what = what or f"did not end within run.startup_timeout_s={self.timeout_s:g} s"
         return (
-            f"[pipespec_mpi] start-up phase '{name}' did not end within run.startup_timeout_s="
-            f"{self.timeout_s:g} s on rank {self.rank} ({host}); the job's hosts: "
-            f"{', '.join(sorted(set(self.hosts)))}; {hint}\n"
+            f"[pipespec_mpi] start-up phase '{name}' {what} on rank {self.rank} ({host}); the job's "
+            f"hosts: {', '.join(sorted(set(self.hosts)))}; {hint}\n"
         )
 
     def _watch(self) -> None:
