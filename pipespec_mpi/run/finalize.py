@@ -51,6 +51,8 @@ def write_run_files(
     write_records(run_dir / RESULTS, records)
     write_outputs(cfg.run.output_format, run_dir, records, errors, cfg.hierarchy.stages[-1].name)
     summary = metrics.summarize(records)
+    for s in summary.values():
+        s.rows_not_decoded = len(errors)
     write_summary(run_dir / SUMMARY, summary)
     if cfg.run.mode == "benchmark":
         bench = metrics.benchmark_table(records, cfg.run.methods)

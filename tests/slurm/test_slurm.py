@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from user_rows import write_rows
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]
 
@@ -190,6 +191,11 @@ WALLTIME_APP = [
     "decode.max_new_tokens=128", "run.mode=benchmark", "run.methods=[ar,pipespec]",
     "run.progress=false", "run.stall_timeout_s=60",
 ]  # fmt: skip
+# the user's rows (tests/user_rows.py), answered as OpenAI batch output
+USER_APP = [
+    "hierarchy=tiny", "dataset=files", "decode.max_new_tokens=12", "run.output_format=openai",
+    "run.progress=false", "run.stall_timeout_s=60",
+]  # fmt: skip
 WAIT_S = 240  # per job; they run side by side, typically all done within 60-100 s
 SUBMITIT = importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
 
@@ -261,6 +267,17 @@ def jobs(slurm, tmp_path_factory):
         submitted["lost_shard"] = sbatch(
             [*SBATCH, "--array=0-1", "slurm/pipespec_array.sbatch", *APP, "dataset.n_prompts=3"],
             tmp / "lost-%A_%a.out",
+        )
+        write_rows(tmp / "rows")
+        submitted["user_rows"] = sbatch(
+            [
+                *SBATCH,
+                "--array=0-1",
+                "slurm/pipespec_array.sbatch",
+                *USER_APP,
+                f"dataset.path={tmp / 'rows'}",
+            ],
+            tmp / "rows-%A_%a.out",
         )
         submitted["replicas"] = sbatch(
             [*SBATCH, "--ntasks-per-node=6", "--gpus-per-node=6", "slurm/pipespec.sbatch", *APP],
@@ -379,6 +396,47 @@ def test_an_unfinished_shard_is_resubmitted_alone_and_the_shards_merge(jobs, tmp
     results = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines() if x.strip()]
     assert sorted(r["prompt_id"] for r in results) == ["synthetic/0", "synthetic/1", "synthetic/2"]
     assert json.loads((base / "summary.json").read_text())["pipespec"]["n_prompts"] == 3
+    shutil.rmtree(base)
+
+
+def test_an_array_over_the_users_files_answers_every_row_once_after_a_killed_shard(jobs, tmp_path):
+    """A 2-task array over a Parquet file and an OpenAI batch JSONL: shard 1 is cut back to what a
+    killed task leaves (one record and a torn line in its part, no results.jsonl); ``shards
+    status`` counts its bad rows and finds it unfinished, ``resubmit`` reruns it with resume, and
+    the merge answers every input row exactly once, in results.openai.jsonl (plain JSON lines) or
+    in errors.jsonl."""
+    job = jobs["user_rows"]
+    assert_completed(job, n_tasks=2)
+    base = ROOT / "outputs" / "slurm" / job.job_id
+    rows = write_rows(tmp_path / "rows")  # the same rows the array read: what to expect
+    shard = base / "shard-1"
+    part = shard / "parts" / "replica-0.jsonl"
+    first = part.read_text().splitlines()[0]
+    part.write_text(first + "\n" + first[: len(first) // 2])
+    for name in ("results.jsonl", "results.openai.jsonl", "summary.json"):
+        (shard / name).unlink()
+    shards = [sys.executable, "-m", "pipespec_mpi.shards"]
+    status = run([*shards, "status", str(base)], timeout=60, cwd=ROOT)
+    assert status.returncode == 3 and "shard-1: 1/" in status.stdout and "unfinished" in status.stdout, (
+        status.stdout + status.stderr
+    )
+    assert "2 bad rows" in status.stdout and "tokens/s" in status.stdout, status.stdout
+    out = tmp_path / "again-%A_%a.out"
+    proc = run([*shards, "resubmit", str(base), "--", *SBATCH, "--parsable", f"--output={out}"],
+               timeout=60, cwd=ROOT, env=job_env())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    again = Job(proc.stdout.strip().splitlines()[-1].split(";")[0], str(out))
+    assert_completed(again)
+    merged = run([*shards, "merge", str(base)], timeout=60, cwd=ROOT)
+    assert merged.returncode == 0, merged.stdout + merged.stderr
+    lines = [json.loads(x) for x in (base / "results.openai.jsonl").read_text().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == sorted(rows), lines  # each row once
+    answered = [x["custom_id"] for x in lines if x["response"] is not None]
+    assert len(answered) == len(rows) - 2
+    errors = [json.loads(x) for x in (base / "errors.jsonl").read_text().splitlines()]
+    assert sorted(e["id"] or str(e["position"]) for e in errors) == ["9", "req-bad"]
+    results = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["prompt_id"] for r in results) == sorted(answered)
     shutil.rmtree(base)
 
 

@@ -154,7 +154,8 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     assert list(doc["pipespec"]) == [
         "n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s", "ttft_s_mean", "token_latency_ms",
         "acceptance", "mean_accepted_per_verification", "stages", "peak_rss_mb", "batch_size",
-        "sequence_ms_per_token", "energy_j_per_token_system", "energy_j_per_token_per_gpu", "n_gpus_measured",
+        "sequence_ms_per_token", "rows_not_decoded", "energy_j_per_token_system",
+        "energy_j_per_token_per_gpu", "n_gpus_measured",
     ]  # fmt: skip
     assert list(doc["pipespec"]["token_latency_ms"]) == ["p50", "p90", "p99"]
     assert doc["pipespec"]["acceptance"]["0->1"]["accepted_histogram"] == [0, 0, 0, 2, 0]
@@ -162,6 +163,19 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
         "model", "forward_calls", "rollbacks", "tokens_discarded", "discarded_s", "busy_fraction",
         "verifications", "own_steps", "proposals_per_forward", "tokens_per_forward", "drafter",
     ]  # fmt: skip
+
+    # with the ranks' threads recorded: core-hours per million output tokens
+    for r in recs:
+        for st in r.stages:
+            st.threads = 2
+    costed = summarize(recs)["pipespec"]
+    cores = 2 * len(recs[0].stages)
+    assert costed.core_hours_per_million_tokens == pytest.approx(
+        cores * costed.wall_s / 3600 / costed.n_tokens * 1e6
+    )
+    assert costed.gpu_hours_per_million_tokens is None
+    write_summary(tmp_path / "costed.json", {"pipespec": costed})
+    assert read_summary(tmp_path / "costed.json")["pipespec"] == costed
 
     bench = benchmark_table(recs, ["ar", "sd", "pipespec"])
     write_benchmark(tmp_path / "benchmark.json", bench)

@@ -29,3 +29,14 @@ def test_a_directory_without_shards_is_an_error(tmp_path):
     assert shard_dirs(tmp_path) == {}
     with pytest.raises(ShardError, match="no shard-<i>/"):
         status(tmp_path)
+
+
+def test_a_shards_bad_rows_are_not_expected_of_it(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(5)) + "not json\n")
+    cfg = compose_config(["hierarchy=tiny", "dataset=files", f"dataset.path={rows}", "dataset.shard_count=2"])
+    shard0 = expected_jobs(cfg)  # rows 0, 2, 4 (row 5, not JSON, is shard 1's and never expected)
+    assert {k[0] for k in shard0} == {"0", "2", "4"}
+    assert {k[0] for k in expected_jobs(cfg, bad_positions={2})} == {"0", "4"}  # errors.jsonl's
+    shard1 = expected_jobs(replace(cfg, dataset=replace(cfg.dataset, shard_index=1)))
+    assert {k[0] for k in shard1} == {"1", "3"}
