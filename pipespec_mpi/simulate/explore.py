@@ -96,6 +96,14 @@ class Scenario:
     stop_lag: tuple[int, ...] = ()
     slots: int = 1  # sequences in flight per stage (the "-batch" families: 2-4)
     suffix: bool = False  # stage 0 is the real suffix drafter (the "-suffix" families)
+    # per prompt: its own token budget (a row's max_tokens), None for decode.max_new_tokens
+    # (drawn in the "-batch" and "-suffix" families only, apart from every other field)
+    budgets: tuple[int | None, ...] = ()
+
+    def budget(self, seq: int) -> int:
+        """Prompt ``seq``'s token budget (1-based, as the jobs are numbered)."""
+        own = self.budgets[seq - 1] if seq - 1 < len(self.budgets) else None
+        return own or self.decode.max_new_tokens
 
     @property
     def method(self) -> str:
@@ -168,6 +176,13 @@ class Scenario:
             sc = replace(sc, lookup=True, suffix=True)
             if "decode" not in fixed:
                 sc = replace(sc, decode=replace(sc.decode, wait_for_drafter=dr.random() < 0.7))
+        if family.endswith(("-batch", "-suffix")):
+            bu = random.Random(f"budgets:{family}:{seed}")
+            if bu.random() < 0.5:
+                top = sc.decode.max_new_tokens
+                sc = replace(
+                    sc, budgets=tuple(bu.choice((None, 1, bu.randint(1, top))) for _ in range(sc.n_prompts))
+                )
         return replace(sc, **{k: v for k, v in fixed.items() if k not in ("k", "decode")})
 
     def stop_requested(self, stage: int, seq: int) -> bool:
@@ -424,7 +439,10 @@ class World:
         self.gate_complete: set[int] = set()
         self.stop_votes: set[int] = set()
         self.outcomes: dict[tuple[int, int], StageOutcome] = {}
-        self.jobs = [ExJob(seq, ids, sc.method) for seq, ids in enumerate(self.parts.prompts, 1)]
+        self.jobs = [
+            ExJob(seq, ids, sc.method, sc.budgets[seq - 1] if seq - 1 < len(sc.budgets) else None)
+            for seq, ids in enumerate(self.parts.prompts, 1)
+        ]
         n_tokens = len(self.jobs) * sc.decode.max_new_tokens
         self.max_ticks = max_ticks or 20_000 + 2_000 * k * n_tokens
         clock = TickClock(self)
@@ -598,10 +616,10 @@ class World:
             if sc.rule != "leviathan":
                 target = self.parts.model(sc.k - 1)
                 verifier = self.verifier(job.seq, sc.k - 1)
-                ref = autoregressive(target, job.prompt_ids, verifier, sc.decode.max_new_tokens, self.eos)
+                ref = autoregressive(target, job.prompt_ids, verifier, sc.budget(job.seq), self.eos)
                 if last != ref:
                     return self._finding("mismatch", f"prompt {job.seq}: {last} != AR {ref}")
-            elif len(last) > sc.decode.max_new_tokens or (self.eos in last[:-1]):
+            elif len(last) > sc.budget(job.seq) or (self.eos in last[:-1]):
                 problems.append(f"prompt {job.seq}: {len(last)} tokens, EOS inside")
         if problems:
             return self._finding("counter", "; ".join(problems[:5]))

@@ -92,6 +92,19 @@ def test_regression_seed_fails_without_its_fix(monkeypatch, family, seed, preset
     assert found.verdict == verdict, found
 
 
+# a prompt's own token budget (a row's max_tokens: StageLoop.begin's max_new_tokens)
+BUDGET = [("pipespec-greedy-batch", 0, "mismatch"), ("sd-greedy-suffix", 2, "mismatch"),
+          ("pipespec-leviathan-suffix", 1, "counter")]  # fmt: skip
+
+
+@pytest.mark.parametrize("family,seed,verdict", BUDGET)
+def test_a_prompts_own_budget_is_kept_by_every_stage(monkeypatch, family, seed, verdict):
+    assert Scenario.draw(family, seed).budgets and explore(family, seed).ok
+    begin = StageLoop.begin
+    monkeypatch.setattr(StageLoop, "begin", lambda self, p, m, v, max_new_tokens=None: begin(self, p, m, v))
+    assert explore(family, seed).verdict == verdict
+
+
 def test_a_wrong_verifier_is_a_mismatch():
     sc = Scenario.draw("pipespec-greedy", 3)
     world = World(sc)
