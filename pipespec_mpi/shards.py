@@ -92,11 +92,11 @@ def run_config(run_dir: Path) -> AppConfig:
 def expected_jobs(cfg: AppConfig, bad_positions: set[int] = frozenset()) -> set[JobKey]:
     """What a run of ``cfg`` decodes: its shard of the rows (those not at ``bad_positions``,
     errors.jsonl's, nor unreadable), each method, sample and batch size."""
-    from pipespec_mpi.data.datasets import Request, load_prompts, shard
+    from pipespec_mpi.data.datasets import Request, load_prompts
 
-    ds = cfg.dataset
-    mine = shard(load_prompts(ds), ds.shard_index, ds.shard_count)
-    rows = [p for p in mine if isinstance(p, Request) and p.position not in bad_positions]
+    rows = [
+        p for p in load_prompts(cfg.dataset) if isinstance(p, Request) and p.position not in bad_positions
+    ]
     methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
     n = cfg.sampling.num_samples
     return {(p.id, m, k, b) for p in rows for m in methods for k in range(n) for b in batch_sizes(cfg)}
@@ -192,7 +192,8 @@ def merge(array_dir: Path) -> list[Record]:
                     records.setdefault((r.prompt_id, r.method, r.sample_idx, r.batch_size, r.warmup), r)
         for e in read_errors(d / ERRORS):
             errors.setdefault(e["position"], e)
-    order = [p.id for p in load_prompts(cfg.dataset) if p.id is not None]
+    whole = replace(cfg.dataset, shard_index=0, shard_count=1)
+    order = [p.id for p in load_prompts(whole) if p.id is not None]
     merged = list(records.values())
     bad = [errors[k] for k in sorted(errors)]
     write_errors(Path(array_dir) / ERRORS, bad)

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 
 from pipespec_mpi.data.config import DatasetConfig
-from pipespec_mpi.data.requests import BadRow, DatasetError, Request, read_requests
+from pipespec_mpi.data.requests import BadRow, DatasetError, Request, count_rows, read_requests
 
 __all__ = ["BadRow", "DatasetError", "Request", "load_prompts", "shard"]
 
@@ -103,13 +103,15 @@ def hub(cfg: DatasetConfig) -> list[Request]:
 
 
 def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
-    """The run's rows, deterministic: in order (a seeded shuffle with ``dataset.shuffle``), the
-    first ``n_prompts`` (None: all); a user file's rows that are not requests are ``BadRow``s,
-    kept in their place so that every row is accounted for."""
+    """This job's rows: the dataset's rows in order (a seeded shuffle with ``dataset.shuffle``),
+    the first ``n_prompts`` (None: all), then the job's shard of them (``shard_index`` of
+    ``shard_count``: every shard_count-th). A user file's rows that are not requests are
+    ``BadRow``s, kept in their place so that every row is accounted for; only the shard's rows
+    are decoded."""
     if cfg.user_files:
-        items: list[Request | BadRow] = list(read_requests(cfg))
-    elif cfg.name == "humaneval":
-        items = list(humaneval())
+        return _user_rows(cfg)
+    if cfg.name == "humaneval":
+        items: list[Request] = list(humaneval())
     elif cfg.name == "news":
         items = list(news())
     elif cfg.name == "synthetic":
@@ -117,10 +119,32 @@ def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
     else:
         items = list(hub(cfg))
     if not items:
-        raise DatasetError(f"dataset {cfg.name!r} has no rows" + (f" ({cfg.path})" if cfg.path else ""))
+        raise DatasetError(f"dataset {cfg.name!r} has no rows")
     if cfg.shuffle:
         random.Random(cfg.seed).shuffle(items)
-    return items[: cfg.n_prompts]
+    return shard(items[: cfg.n_prompts], cfg.shard_index, cfg.shard_count)
+
+
+def _user_rows(cfg: DatasetConfig) -> list[Request | BadRow]:
+    """``load_prompts`` for user files: the shard's positions are chosen first (by position
+    alone, the same choice as shuffling the rows themselves), then only those rows are decoded."""
+    if cfg.shuffle:
+        order = list(range(count_rows(cfg)))
+        random.Random(cfg.seed).shuffle(order)
+        mine = shard(order[: cfg.n_prompts], cfg.shard_index, cfg.shard_count)
+        wanted = set(mine)
+        got = {r.position: r for r in read_requests(cfg, wanted.__contains__)}
+        rows = [got[p] for p in mine]
+    else:
+        n = cfg.n_prompts
+
+        def wanted(p: int) -> bool:
+            return (n is None or p < n) and p % cfg.shard_count == cfg.shard_index
+
+        rows = [r for r in read_requests(cfg, wanted)]
+    if not rows and cfg.shard_index == 0:
+        raise DatasetError(f"dataset.path={cfg.path!r} has no rows")
+    return rows
 
 
 def shard(items: list, index: int, count: int) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -225,52 +225,82 @@ def _kind(path: Path, ds: DatasetConfig, strict: bool = True) -> str | None:
     return None
 
 
-Raw = tuple[int, str, Any]  # (position, source, the decoded row or a _Bad)
+Raw = tuple[int, str, Any]  # (position, source, the decoded row, a _Bad, or None: not wanted)
+Wanted = Callable[[int], bool]
 
 
-def _jsonl_rows(path: Path, first: int) -> Iterator[Raw]:
+def _jsonl_rows(path: Path, first: int, wanted: Wanted) -> Iterator[Raw]:
+    """A JSONL file's rows; a row not ``wanted`` is counted, never decoded (None)."""
     position = first
     with open(path, encoding="utf-8", errors="strict") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                obj: Any = json.loads(line)
-            except json.JSONDecodeError as err:
-                obj = _Bad(f"not JSON ({err.msg})")
+            obj: Any = None
+            if wanted(position):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    obj = _Bad(f"not JSON ({err.msg})")
             yield position, f"{path}:{n}", obj
             position += 1
 
 
-def _parquet_rows(path: Path, first: int) -> Iterator[Raw]:
+def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise DatasetError("reading Parquet needs pyarrow (bash scripts/setup.sh installs it)") from err
     try:
-        pf = pq.ParquetFile(path)
+        return pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
         raise DatasetError(f"{path}: not a Parquet file ({err})") from err
+
+
+def _parquet_rows(path: Path, first: int, wanted: Wanted) -> Iterator[Raw]:
+    """A Parquet file's rows, a row group at a time (never the whole file); a group with no
+    wanted row is skipped unread."""
+    pf = _parquet_file(path)
     position = first
-    for batch in pf.iter_batches(batch_size=1024):  # a batch at a time: never the whole file
-        for row in batch.to_pylist():
-            yield position, f"{path}#{position - first}", row
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if not any(wanted(p) for p in range(position, position + n)):
+            yield from ((p, f"{path}#{p - first}", None) for p in range(position, position + n))
+            position += n
+            continue
+        for row in pf.read_row_group(g).to_pylist():
+            yield position, f"{path}#{position - first}", row if wanted(position) else None
             position += 1
 
 
-def raw_rows(ds: DatasetConfig) -> Iterator[Raw]:
-    """Every row of the dataset's files in order, decoded (or a ``_Bad``), with its place."""
+def raw_rows(ds: DatasetConfig, wanted: Wanted = lambda p: True) -> Iterator[Raw]:
+    """Every row of the dataset's files in order, with its place: decoded (or a ``_Bad``) when
+    ``wanted(position)``, else None (counted, not decoded: a shard reads only its own rows)."""
     position = 0
     for path in dataset_files(ds):
         read = _parquet_rows if _kind(path, ds) == "parquet" else _jsonl_rows
-        for raw in read(path, position):
+        for raw in read(path, position, wanted):
             yield raw
             position = raw[0] + 1
 
 
-def read_requests(ds: DatasetConfig) -> Iterator[Request | BadRow]:
-    """The dataset's rows as requests, in file order; a row that is not one is a ``BadRow``."""
-    for position, source, obj in raw_rows(ds):
+def count_rows(ds: DatasetConfig) -> int:
+    """The dataset's rows, none decoded (Parquet: from the files' metadata)."""
+    n = 0
+    for path in dataset_files(ds):
+        if _kind(path, ds) == "parquet":
+            n += _parquet_file(path).metadata.num_rows
+        else:
+            n += sum(1 for _ in _jsonl_rows(path, 0, lambda p: False))
+    return n
+
+
+def read_requests(ds: DatasetConfig, wanted: Wanted = lambda p: True) -> Iterator[Request | BadRow]:
+    """The dataset's ``wanted`` rows as requests, in file order; a row that is not one is a
+    ``BadRow``."""
+    for position, source, obj in raw_rows(ds, wanted):
+        if obj is None:
+            continue
         if isinstance(obj, _Bad):
             yield BadRow(position, source, str(obj))
             continue

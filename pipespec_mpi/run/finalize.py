@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipespec_mpi import metrics
 from pipespec_mpi.config import AppConfig
+from pipespec_mpi.data.datasets import load_prompts
 from pipespec_mpi.records import (
     BENCHMARK,
     ERRORS,
@@ -25,14 +26,15 @@ from pipespec_mpi.records import (
     write_records,
     write_summary,
 )
-from pipespec_mpi.run.jobs import Prompt
 from pipespec_mpi.run.outputs import write_outputs
 from pipespec_mpi.run.slurm_info import append_slurm_record
 
 
-def finalize(cfg: AppConfig, run_dir: Path, prompts: list[Prompt]) -> None:
+def finalize(cfg: AppConfig, run_dir: Path) -> None:
+    """(The job's row order is read again from the dataset: rank 0 holds only its replica's rows.)"""
     records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
-    write_run_files(cfg, run_dir, records, [p.id for p in prompts], read_errors(run_dir / ERRORS))
+    order = [p.id for p in load_prompts(cfg.dataset) if p.id is not None]
+    write_run_files(cfg, run_dir, records, order, read_errors(run_dir / ERRORS))
     append_slurm_record(run_dir, os.environ)
 
 
@@ -46,8 +48,16 @@ def write_run_files(
     """results.jsonl (warm-ups first, then in prompt order), the ``run.output_format`` file,
     summary.json, benchmark.json and the printed table, from ``records`` (a run's parts, or an
     array's shards: pipespec_mpi/shards.py) and ``errors`` (errors.jsonl's rows)."""
-    order = {pid: i for i, pid in enumerate(prompt_order)}
-    records = sorted(records, key=lambda r: (r.warmup is not True, order.get(r.prompt_id, 0), r.seq))
+    order = {pid: i for i, pid in enumerate(prompt_order)}  # records older than ``position``
+
+    def place(r: Record) -> tuple:
+        return (
+            r.warmup is not True,
+            r.position if r.position is not None else order.get(r.prompt_id, 0),
+            r.seq,
+        )
+
+    records = sorted(records, key=place)
     write_records(run_dir / RESULTS, records)
     write_outputs(cfg.run.output_format, run_dir, records, errors, cfg.hierarchy.stages[-1].name)
     summary = metrics.summarize(records)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig, SamplingConfig
-from pipespec_mpi.data.datasets import BadRow, DatasetError, Request, load_prompts, shard
+from pipespec_mpi.data.datasets import BadRow, DatasetError, Request, load_prompts
 from pipespec_mpi.data.requests import RowSettings
 from pipespec_mpi.records import RESULTS, read_records
 from pipespec_mpi.speculative.sampling import Sampler, mix
@@ -168,9 +168,10 @@ def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[Jo
     """This replica's jobs, in phases: the warm-ups (benchmark mode, batch 1), then per batch
     size one phase with the methods interleaved per prompt (batch 1: A B C A B C, so drifting
     memory bandwidth hits every method alike) or one phase per method (batched: a batch holds
-    one method's sequences, so its throughput is that method's alone)."""
+    one method's sequences, so its throughput is that method's alone). ``prompts``: this
+    replica's share of the job's rows (run/setup.py ``shared_prompts``)."""
+    mine = prompts
     methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method]
-    mine = shard(shard(prompts, cfg.dataset.shard_index, cfg.dataset.shard_count), pl.replica, pl.n_replicas)
     jobs: list[Job] = []
     seq = phase = 0
     if cfg.run.mode == "benchmark" and mine and cfg.run.warmup_prompts:

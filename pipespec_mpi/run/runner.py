@@ -39,7 +39,6 @@ from pipespec_mpi.run.jobs import (
     Job,
     JobKey,
     batch_sizes,
-    check_rows,
     done_jobs,
     phases,
     plan_jobs,
@@ -73,7 +72,9 @@ class Runner:
         loaded = setup.load(cfg, self.world, pl, watchdog)
         if self.world.rank == 0:  # before any job: shards status counts them while the job runs
             write_errors(self.run_dir / ERRORS, [b.to_json() for b in loaded.bad])
-        check_rows(loaded.prompts, loaded.bad, cfg.run.on_error)
+        if loaded.row_error is not None:  # the same on every rank: all raise, rank 0 reports
+            loaded.row_error.collective = True
+            raise loaded.row_error
         n_slots = max(batch_sizes(cfg))
         with watchdog.phase("channels and windows"):
             slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
@@ -119,7 +120,7 @@ class Runner:
         left = self.comm.allreduce(left if pl.is_last else 0)
         finished = self.comm.allreduce(done if pl.is_last else 0)
         if self.world.rank == 0:
-            finalize(cfg, self.run_dir, loaded.prompts)
+            finalize(cfg, self.run_dir)
             if left:
                 log.warning(
                     f"stopped on request (SIGUSR2 or {stop.path.name}): {finished} prompt runs done, "

@@ -20,9 +20,9 @@ from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_send
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
-from pipespec_mpi.data.datasets import BadRow
+from pipespec_mpi.data.datasets import BadRow, DatasetError, shard
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.run.jobs import Prepared, Prompt, tokenize_prompts
+from pipespec_mpi.run.jobs import Prepared, Prompt, check_rows, tokenize_prompts
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for
@@ -69,18 +69,13 @@ class Loaded:
     threads: int
     cuda_devices: list[int]
     tokenizer: Any
-    prompts: list[Prompt]  # every rank has all of them (rank 0 tokenizes, broadcasts)
-    bad: list[BadRow]  # the rows not decoded, and why (errors.jsonl)
+    prompts: list[Prompt]  # this replica's (rank 0 tokenizes the job's rows, deals them out)
+    bad: list[BadRow]  # rank 0: the rows not decoded, and why (errors.jsonl); others: none
+    row_error: Any  # DatasetError | None: the job stops on its rows (the same on every rank)
+    sampled: bool  # some job of the job samples (its temperature, or a row's own)
     model: Any
     vocab: int  # the widest logit row of the stages
     gpu_monitor: Any  # GpuMonitor
-
-    @property
-    def sampled(self) -> bool:
-        """Some job samples (the job's temperature, or a row's own)."""
-        return self.temperature > 0 or any((p.settings.temperature or 0) > 0 for p in self.prompts)
-
-    temperature: float = 0.0  # sampling.temperature
 
 
 def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog) -> Loaded:
@@ -105,10 +100,9 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         with watchdog.phase(f"rendezvous ({transport})"):
             init_torch_distributed(world, transport, cfg.transport.iface)
 
-    with watchdog.phase("tokenizer and rows"):
+    with watchdog.phase("tokenizer"):
         tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
         check_tokenizers(cfg, pl, comm, tokenizer)
-        prepared = shared_prompts(cfg, comm, tokenizer)
 
     with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
         t0 = time.perf_counter()
@@ -117,37 +111,67 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
             "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
             *(pl.stage, stage_cfg.name, time.perf_counter() - t0, threads, transport),
         )
-        prepared = fit_context(cfg, pl, comm, model, prepared)
+        context = smallest_context(cfg, pl, comm, model)
+
+    with watchdog.phase("rows"):
+        rows = shared_rows(cfg, pl, comm, tokenizer, context)
         loaded = Loaded(
             transport=transport,
             threads=threads,
             cuda_devices=cuda_devices,
             tokenizer=tokenizer,
-            prompts=prepared.prompts,
-            bad=prepared.bad,
+            prompts=rows.prompts,
+            bad=rows.bad,
+            row_error=rows.error,
+            sampled=rows.sampled,
             model=model,
             vocab=0,
             gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
-            temperature=cfg.sampling.temperature,
         )
         loaded.vocab = agree_vocab(cfg, pl, comm, model, tokenizer, loaded.sampled)
     return loaded
 
 
-def shared_prompts(cfg: AppConfig, comm, tokenizer) -> Prepared:
-    """Rank 0 reads and tokenizes the rows and broadcasts them; a dataset that cannot be read
-    is raised on every rank (reported once)."""
-    prepared = err = None
+@dataclass
+class Rows:
+    """A rank's rows: its replica's prompts; on rank 0 every bad row; the same everywhere: the
+    job's verdict on them (run.on_error, ``check_rows``) and whether any row samples."""
+
+    prompts: list[Prompt]
+    bad: list[BadRow]
+    error: DatasetError | None
+    sampled: bool
+
+
+def shared_rows(cfg: AppConfig, pl: Placement, comm, tokenizer, context: tuple | None) -> Rows:
+    """Rank 0 reads and tokenizes the job's rows, sets aside those that do not fit ``context``
+    (``smallest_context``) and hands each rank its replica's share (the replicas deal the rows in
+    turn); a dataset that cannot be read is raised on every rank (reported once)."""
+    shares = err = None
     if comm.Get_rank() == 0:
         try:
-            prepared = tokenize_prompts(cfg, tokenizer)
+            prepared = fit_context(cfg, context, tokenize_prompts(cfg, tokenizer))
+            verdict = None
+            try:
+                check_rows(prepared.prompts, prepared.bad, cfg.run.on_error)
+            except DatasetError as e:
+                verdict = e
+            sampled = cfg.sampling.temperature > 0 or any(
+                (p.settings.temperature or 0) > 0 for p in prepared.prompts
+            )
+            n = pl.n_replicas
+            mine = [shard(prepared.prompts, r, n) for r in range(n)]
+            shares = [
+                Rows(mine[r // pl.n_stages], prepared.bad if r == 0 else [], verdict, sampled)
+                for r in range(comm.Get_size())
+            ]
         except UserError as e:  # reported by rank 0, raised on every rank
             err = e
-    prepared, err = comm.bcast((prepared, err), root=0)
+    err = comm.bcast(err, root=0)
     if err is not None:
         err.collective = True
         raise err
-    return prepared
+    return comm.scatter(shares, root=0)
 
 
 def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
@@ -163,20 +187,25 @@ def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
         raise err
 
 
-def fit_context(cfg: AppConfig, pl: Placement, comm, model, prepared: Prepared) -> Prepared:
-    """The prompts that fit every stage's context with their token budget; the others become
-    bad rows (the same on every rank: the contexts are gathered)."""
+def smallest_context(cfg: AppConfig, pl: Placement, comm, model) -> tuple | None:
+    """(context, stage, name) of the stage with the smallest context (gathered: the same on
+    every rank); None when no stage has a limit."""
     mine = (getattr(model, "max_context", None), pl.stage, cfg.hierarchy.stages[pl.stage].name)
     contexts = [got for got in comm.allgather(mine) if got[0] is not None]
-    if not contexts:
+    return min(contexts) if contexts else None
+
+
+def fit_context(cfg: AppConfig, context: tuple | None, prepared: Prepared) -> Prepared:
+    """The prompts that fit ``context`` with their token budget; the others become bad rows."""
+    if context is None:
         return prepared
-    context, stage, name = min(contexts)
+    limit, stage, name = context
     keep, bad = [], list(prepared.bad)
     for p in prepared.prompts:
         budget = p.max_new_tokens(cfg.decode.max_new_tokens)
-        if len(p.ids) + budget > context:
+        if len(p.ids) + budget > limit:
             why = (f"the prompt ({len(p.ids)} tokens) plus max_tokens ({budget}) is more than the "
-                   f"context of stage {stage} ({name}), {context} tokens")  # fmt: skip
+                   f"context of stage {stage} ({name}), {limit} tokens")  # fmt: skip
             bad.append(BadRow(p.position, "", why, p.id))
         else:
             keep.append(p)

@@ -7,6 +7,7 @@ watchdog."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -73,7 +74,9 @@ def test_a_rendezvous_that_cannot_happen_ends_within_the_start_up_limit_naming_t
     took = time.monotonic() - t0
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "start-up phase 'rendezvous (gloo)' did not end within run.startup_timeout_s=10 s on rank 0" in out
+    # rank 0 or 2 (whichever aborts first; the other may be killed before it writes)
+    assert re.search(r"start-up phase 'rendezvous \(gloo\)' did not end within run.startup_timeout_s=10 s "
+                     r"on rank [02] ", out), out[-3000:]  # fmt: skip
     assert "transport.iface" in out and took < 120, took
     log = (tmp_path / "run" / "rank1.log").read_text()
     assert "start-up: rendezvous (gloo)" in log  # the hung rank said what it was doing

@@ -269,3 +269,21 @@ def test_progress_lines_give_rows_left_rate_and_eta(caplog):
         p.update(50)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "replica 1: 2/4 prompt runs done, 2 left, 5.0 tokens/s" in line and "ETA 0:00:20" in line
+
+
+def test_a_shard_decodes_only_its_own_rows_and_shuffles_as_the_rows_would(tmp_path):
+    import random
+
+    lines = [json.dumps({"prompt": f"p{i}"}) if i % 2 == 0 else "{not json" for i in range(20)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    mine = load_prompts(cfg_for(path, "dataset.shard_count=2").dataset)  # the odd rows are never decoded
+    assert [r.id for r in mine] == [str(i) for i in range(0, 20, 2)]
+    other = load_prompts(cfg_for(path, "dataset.shard_count=2", "dataset.shard_index=1").dataset)
+    assert all(isinstance(r, BadRow) for r in other) and [r.position for r in other] == list(range(1, 20, 2))
+    over = ["dataset.shuffle=true", "dataset.seed=3", "dataset.n_prompts=7", "dataset.shard_count=3"]
+    got = [[r.position for r in load_prompts(cfg_for(path, *over, f"dataset.shard_index={i}").dataset)]
+           for i in range(3)]  # fmt: skip
+    order = list(range(20))
+    random.Random(3).shuffle(order)  # what shuffling the rows themselves gives
+    assert got == [order[:7][i::3] for i in range(3)]
