@@ -251,7 +251,7 @@ class AutoConfig:
     # tokens mispredicted a HumanEval run by 25%, 8 of 64 by 10%: lookup hits vary by prompt)
     calibration_tokens: int = 64  # tokens of each (agreement is counted along them)
     calibration_path: str | None = None  # a JSONL file of prompts to calibrate on instead (one
-    # {"prompt": ...} per line, the first calibration_prompts of them, as dataset=jsonl reads it)
+    # row per line, the first calibration_prompts of them, as dataset=files reads it)
     token_counts: tuple[int, ...] = (1, 2, 4, 8, 16)  # forward sizes timed per stage
     repeats: int = 5  # timed forwards per size (the median is kept)
     margin: float = 0.05  # speculation must be predicted this much faster than AR, else AR
