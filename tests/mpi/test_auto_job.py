@@ -23,9 +23,15 @@ def outputs(records):
     return {r["prompt_id"]: r["output_ids"] for r in records}
 
 
-def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(tmp_path):
+@pytest.fixture(scope="module")
+def ar(tmp_path_factory):
+    """The target alone on TINY's prompts (tiny and tiny_suffix share the target): what every
+    greedy choice must output."""
+    return outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path_factory.mktemp("ar")))
+
+
+def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(tmp_path, ar):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
-    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
     first = launch_ok(3, [*TINY, "hierarchy.choose=true", *QUICK, cache], tmp_path / "auto1")
     plan = json.loads((tmp_path / "auto1" / "plan.json").read_text())
     assert plan["from_cache"] == []
@@ -42,9 +48,8 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert outputs(second) == ar
 
 
-def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path):
+def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, ar):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
-    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
     recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto")
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
@@ -54,11 +59,10 @@ def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path):
     assert "rank 1 is spare" in logs and "rank 2 is spare" in logs
 
 
-def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path):
+def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path, ar):
     """auto.batch_sizes: the plan weighs every method at batch 1 and 3 by throughput, the job
     decodes at the chosen size, losslessly, and plan.json says which and why."""
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
-    ar = outputs(launch_ok(3, [*TINY, "method=ar"], tmp_path / "ar"))
     recs = launch_ok(
         3, [*TINY, "hierarchy.choose=true", "auto.batch_sizes=[1,3]", *QUICK, cache], tmp_path / "auto"
     )
@@ -75,13 +79,12 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path):
         assert f"with {chosen['method']} at batch {chosen['batch_size']}" in plan["reason"]
 
 
-def test_auto_weighs_a_suffix_drafter_among_its_candidates(tmp_path):
+def test_auto_weighs_a_suffix_drafter_among_its_candidates(tmp_path, ar):
     """tiny_suffix's stages as candidates: the suffix drafter is measured (its proposals along the
     target's path, drafting from the earlier calibration prompts' outputs too), every pipeline it
     can head is predicted, and the job runs the choice losslessly."""
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     base = ["hierarchy=tiny_suffix", *TINY[1:]]
-    ar = outputs(launch_ok(3, [*base, "method=ar"], tmp_path / "ar"))
     recs = launch_ok(3, [*base, "hierarchy.choose=true", *QUICK, cache], tmp_path / "auto")
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert "suffix -> tiny-target-4L" in plan["rates"] and "suffix -> tiny-mid-3L" in plan["rates"]

@@ -43,8 +43,13 @@ CASES = [("tiny", 3, 1.0, 4, 1.0), ("tiny2", 2, 0.3, 6, 0.8),
          ("tiny_suffix", 3, 1.0, 4, 1.0)]  # fmt: skip
 
 
-@pytest.mark.parametrize("coupling", ["leviathan", "gumbel"])
-@pytest.mark.parametrize("hier,n,temperature,top_k,top_p", CASES)
+# (the suffix drafter under gumbel is left to the explorer's pipespec-gumbel-suffix family, which
+# checks every sample against the target's own: gumbel sampling is exact per sample)
+@pytest.mark.parametrize(
+    "hier,n,temperature,top_k,top_p,coupling",
+    [(*c, coupling) for c in CASES for coupling in ("leviathan", "gumbel")
+     if not (c[0] == "tiny_suffix" and coupling == "gumbel")],
+)  # fmt: skip
 def test_pipespec_samples_follow_the_target_distribution(
     tmp_path, hier, n, temperature, top_k, top_p, coupling
 ):

@@ -487,8 +487,10 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(
             run(["scontrol", "update", f"JobId={job.job_id}", f"TimeLimit={limit}"], timeout=15)
             phase = "limit near"
         if phase == "limit near" and records and records[0].get("JobState") == "PENDING":
-            # requeued: give the resumed run room to finish
+            # requeued: give the resumed run room to finish, and start it now (Slurm holds a
+            # requeued job for two minutes)
             run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=10"], timeout=15)
+            run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], timeout=15)
             phase = "requeued"
         if records:
             states.append(records[0].get("JobState"))

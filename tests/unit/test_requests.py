@@ -244,6 +244,23 @@ def test_a_phase_that_overruns_is_reported_with_its_name_rank_and_hosts():
     assert "transport.iface" in msg and "run.startup_timeout_s=0.2" in msg
 
 
+def test_a_phase_that_fails_names_itself_and_keeps_the_cause():
+    from pipespec_mpi.run.startup import StartupError, StartupWatchdog
+
+    wd = StartupWatchdog(60, rank=2, hosts=["n0", "n0", "n1"], on_timeout=lambda m: None)
+    with pytest.raises(StartupError) as err, wd.phase("rendezvous (gloo)"):
+        raise RuntimeError("Unable to find address for: nosuch0")  # gloo, transport.iface=nosuch0
+    wd.close()
+    msg = str(err.value)
+    assert "start-up phase 'rendezvous (gloo)' failed: Unable to find address for: nosuch0" in msg
+    assert "on rank 2 (n1)" in msg and "transport.iface" in msg
+    assert isinstance(err.value.__cause__, RuntimeError)
+    quiet = StartupWatchdog(60, 0, ["n0"], on_timeout=lambda m: None)
+    with pytest.raises(DatasetError), quiet.phase("rows"):  # a user error says what to fix: as is
+        raise DatasetError("dataset.path='x': no such file or folder")
+    quiet.close()
+
+
 def test_a_phase_ended_in_time_never_fires():
     from pipespec_mpi.run.startup import StartupWatchdog
 
