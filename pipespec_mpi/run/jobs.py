@@ -136,7 +136,7 @@ def check_rows(prompts: Sequence[Prompt], bad: Sequence[BadRow], on_error: str) 
     if bad and on_error == "fail":
         b = bad[0]
         err = DatasetError(
-            f"row {b.position} ({b.source or 'context check'}, id {b.id!r}): {b.reason}; {len(bad)} bad "
+            f"row {b.position} ({b.source}, id {b.id!r}): {b.reason}; {len(bad)} bad "
             "row(s) in all (run.on_error=skip writes them to errors.jsonl and decodes the rest)"
         )
     elif not prompts:

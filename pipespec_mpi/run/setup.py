@@ -206,7 +206,7 @@ def fit_context(cfg: AppConfig, context: tuple | None, prepared: Prepared) -> Pr
         if len(p.ids) + budget > limit:
             why = (f"the prompt ({len(p.ids)} tokens) plus max_tokens ({budget}) is more than the "
                    f"context of stage {stage} ({name}), {limit} tokens")  # fmt: skip
-            bad.append(BadRow(p.position, "", why, p.id))
+            bad.append(BadRow(p.position, "context check", why, p.id))
         else:
             keep.append(p)
     return Prepared(keep, sorted(bad, key=lambda b: b.position))
