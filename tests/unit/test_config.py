@@ -26,8 +26,9 @@ def test_the_composed_default_is_the_dataclass_defaults():
     defaults = {f.name: f.default for f in fields(AppConfig) if f.name not in ("hierarchy",)}
     assert c.method == defaults["method"] == "pipespec"
     assert c.decode == DecodeConfig()
-    # conf/dataset/humaneval.yaml names the dataset and its benchmark sample (4 prompts, shuffled)
-    assert c.dataset == DatasetConfig(n_prompts=4, shuffle=True)
+    # conf/dataset/humaneval.yaml names the dataset, its benchmark sample (4 prompts, shuffled) and
+    # how a long prompt is cut
+    assert c.dataset == DatasetConfig(n_prompts=4, shuffle=True, truncate="left")
     assert c.run == RunConfig()
     assert c.sampling == SamplingConfig()
     assert c.transport == TransportConfig()
