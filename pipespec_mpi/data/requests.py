@@ -112,7 +112,9 @@ def _float_setting(v: Any, name: str, low: float, high: float, low_open: bool = 
 def settings_of(obj: Mapping[str, Any]) -> RowSettings:
     """A row's (or an OpenAI body's) settings, checked; ``max_completion_tokens`` is the newer
     OpenAI name of ``max_tokens``."""
-    mt = obj.get("max_tokens", obj.get("max_completion_tokens"))
+    mt = obj.get("max_tokens")
+    if mt is None:
+        mt = obj.get("max_completion_tokens")
     return RowSettings(
         max_tokens=_int_setting(mt, "max_tokens", 1),
         temperature=_float_setting(obj.get("temperature"), "temperature", 0.0, 100.0),
@@ -173,7 +175,7 @@ def parse_row(obj: Any, position: int, ds: DatasetConfig) -> Request:
     """The request a decoded row asks for; ``_Bad`` says what does not fit."""
     if not isinstance(obj, Mapping):
         raise _Bad(f"a row must be an object, got {type(obj).__name__}")
-    if "custom_id" in obj and "body" in obj:
+    if obj.get("custom_id") is not None and obj.get("body") is not None:  # (a Parquet null is None)
         return _openai(obj, position)
     rid = obj.get(ds.id_field)
     rid = str(position) if rid is None else str(rid)

@@ -101,6 +101,20 @@ def test_parquet_chat_messages_are_read_as_turns(tmp_path):
     assert got.messages == (("system", "be brief"), ("user", "hello"))
 
 
+def test_a_parquet_table_of_mixed_rows_reads_its_nulls_as_absent(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": "plain", "custom_id": None, "body": None, "max_tokens": None, "max_completion_tokens": 3},
+        {"prompt": None, "custom_id": "c1", "body": {"messages": CHAT, "max_tokens": 4}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mixed.parquet")
+    plain, chat = read_requests(cfg_for(tmp_path / "mixed.parquet").dataset)
+    assert plain.text == "plain" and not plain.openai and plain.settings.max_tokens == 3
+    assert chat.id == "c1" and chat.openai and chat.settings.max_tokens == 4
+
+
 def test_user_files_are_all_rows_in_order_unless_asked(tmp_path):
     path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": f"p{i}"} for i in range(30)])
     assert [r.id for r in load_prompts(cfg_for(path).dataset)] == [str(i) for i in range(30)]
