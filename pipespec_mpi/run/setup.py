@@ -205,7 +205,7 @@ def fit_context(cfg: AppConfig, context: tuple | None, prepared: Prepared) -> Pr
         budget = p.max_new_tokens(cfg.decode.max_new_tokens)
         if len(p.ids) + budget > limit:
             why = (f"the prompt ({len(p.ids)} tokens) plus max_tokens ({budget}) is more than the "
-                   f"context of stage {stage} ({name}), {limit} tokens")  # fmt: skip
+                   f"context of {limit} tokens of stage {stage} ({name})")  # fmt: skip
             bad.append(BadRow(p.position, "context check", why, p.id))
         else:
             keep.append(p)

@@ -124,7 +124,7 @@ def test_empty_dataset_is_an_error(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     proc = launch(3, ["hierarchy=tiny", "dataset=jsonl", f"dataset.path={empty}"], tmp_path / "r")
-    assert proc.returncode != 0 and "no prompts" in proc.stderr
+    assert proc.returncode != 0 and "has no rows" in proc.stderr
 
 
 def test_mismatched_tokenizers_are_refused(tmp_path):
