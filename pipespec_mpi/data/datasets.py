@@ -111,13 +111,13 @@ def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
     if cfg.user_files:
         return _user_rows(cfg)
     if cfg.name == "humaneval":
-        items: list[Request] = list(humaneval())
+        items: list[Request] = humaneval()
     elif cfg.name == "news":
-        items = list(news())
+        items = news()
     elif cfg.name == "synthetic":
-        items = list(synthetic(max(cfg.n_prompts or 1, 1), cfg.seed))
+        items = synthetic(max(cfg.n_prompts or 1, 1), cfg.seed)
     else:
-        items = list(hub(cfg))
+        items = hub(cfg)
     if not items:
         raise DatasetError(f"dataset {cfg.name!r} has no rows")
     if cfg.shuffle:

@@ -60,7 +60,6 @@ class Job:
     batch_size: int = 1
     phase: int = 0
     slot: int = 0
-    max_new_tokens: int | None = None  # the row's own budget (None: decode.max_new_tokens)
 
     @property
     def prompt_id(self) -> str:
@@ -69,6 +68,11 @@ class Job:
     @property
     def prompt_ids(self) -> list[int]:
         return self.prompt.ids
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The row's own budget (None: decode.max_new_tokens)."""
+        return self.prompt.settings.max_tokens
 
     @property
     def key(self) -> JobKey:
@@ -178,7 +182,7 @@ def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[Jo
         for p in mine[: cfg.run.warmup_prompts]:
             for m in methods:
                 seq += 1
-                jobs.append(Job(seq, p, m, warmup=True, max_new_tokens=p.settings.max_tokens))
+                jobs.append(Job(seq, p, m, warmup=True))
     for b in batch_sizes(cfg):
         for group in [methods] if b == 1 else [[m] for m in methods]:
             phase += 1
@@ -186,8 +190,7 @@ def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[Jo
                 for k in range(cfg.sampling.num_samples):
                     for m in group:
                         seq += 1
-                        job = Job(seq, p, m, warmup=False, sample_idx=k, batch_size=b, phase=phase,
-                                  max_new_tokens=p.settings.max_tokens)  # fmt: skip
+                        job = Job(seq, p, m, warmup=False, sample_idx=k, batch_size=b, phase=phase)
                         if job.key not in done:
                             jobs.append(job)
     return jobs
