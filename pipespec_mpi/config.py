@@ -205,6 +205,8 @@ class TransportConfig:
     depth: int = 8  # receives posted ahead, and send buffers
     max_msg_tokens: int = 32
     iface: str | None = None  # the rendezvous interface for gloo/nccl (None: picked)
+    port: int | None = None  # rank 0's rendezvous port for gloo/nccl (None: a free one; set it where a
+    # firewall opens only some ports)
 
 
 EPOCHS_WINDOWS = ("auto", "shared", "push", "rma")
@@ -405,6 +407,8 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"transport.kind={t.kind!r}: must be one of {TRANSPORTS}")
     if t.depth < 1 or t.max_msg_tokens < 1:
         p.append(f"transport.depth={t.depth}, max_msg_tokens={t.max_msg_tokens}: must be >= 1")
+    if t.port is not None and not (isinstance(t.port, int) and 1 <= t.port <= 65535):
+        p.append(f"transport.port={t.port}: must be a TCP port, 1..65535 (or null: a free one)")
 
     s = cfg.sampling
     if s.temperature < 0:

@@ -13,7 +13,9 @@ Definitions follow what users know from vLLM / llama.cpp:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 
 from pipespec_mpi.records import (
     BenchmarkRow,
@@ -23,23 +25,32 @@ from pipespec_mpi.records import (
     SpeedupPerPrompt,
     StageSummary,
 )
+from pipespec_mpi.stage.stats import StageStats
 
 PERCENTILES = (50, 90, 99)  # of per-token latency in summary.json
 
 
 def acceptance(trace: Sequence[Sequence[int]]) -> PairAcceptance:
     """Acceptance statistics of one verifier from its [n_proposed, n_accepted] trace."""
-    verifs = len(trace)
-    accepted = sum(a for _, a in trace)
-    proposed = sum(n for n, _ in trace)
-    longest = max((n for n, _ in trace), default=0)
+    return acceptance_of_counts(Counter((n, a) for n, a in trace))
+
+
+def acceptance_of_counts(counts: Mapping[tuple[int, int], int]) -> PairAcceptance:
+    """``acceptance`` of a trace given as how many times each (n_proposed, n_accepted) pair
+    occurs in it: the same numbers, from at most window x window counts however long the trace."""
+    pairs = [(n, a, c) for (n, a), c in counts.items() if c > 0]
+    verifs = sum(c for _, _, c in pairs)
+    accepted = sum(a * c for _, a, c in pairs)
+    proposed = sum(n * c for n, _, c in pairs)
+    longest = max((n for n, _, _ in pairs), default=0)
     per_pos = []
     for j in range(longest):
-        eligible = [a for n, a in trace if n > j]
-        per_pos.append(sum(1 for a in eligible if a > j) / len(eligible) if eligible else 0.0)
+        eligible = sum(c for n, _, c in pairs if n > j)
+        hits = sum(c for n, a, c in pairs if n > j and a > j)
+        per_pos.append(hits / eligible if eligible else 0.0)
     hist = [0] * (longest + 1)
-    for _, a in trace:
-        hist[a] += 1
+    for _, a, c in pairs:
+        hist[a] += c
     return PairAcceptance(
         verifications=verifs,
         proposed=proposed,
@@ -86,83 +97,184 @@ def group_key(method: str, batch_size: int) -> str:
     return method if batch_size == 1 else f"{method}@b{batch_size}"
 
 
-def decoding_wall_s(rs: Sequence[Record]) -> float:
+def decoding_wall_s(rs: Iterable[Record]) -> float:
     """The time ``rs`` took to decode. At batch 1 a replica decodes one sequence at a time: the
     records' walls summed. Batched, a replica's sequences overlap: from its first start to its
     last end on the leader's clock (``t0_perf_counter``), summed over the replicas (which run at
     once: tokens / this is the tokens/s of one replica, as at batch 1)."""
-    if all(r.batch_size == 1 for r in rs):
-        return sum(r.wall_s for r in rs)
-    span = 0.0
-    for rep in {r.replica for r in rs}:
-        mine = [r for r in rs if r.replica == rep]
-        start = min(r.stages[-1].t0_perf_counter for r in mine)
-        span += max(r.stages[-1].t0_perf_counter + r.wall_s for r in mine) - start
-    return span
+    wall = _DecodingWall()
+    for r in rs:
+        wall.add(r)
+    return wall.total()
 
 
-def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
-    """summary.json: per method and batch size (``group_key``), over the non-warm-up records."""
-    by_method: dict[str, list[Record]] = {}
-    for r in records:
-        if not r.warmup:
-            by_method.setdefault(group_key(r.method, r.batch_size), []).append(r)
-    out = {}
-    for method, rs in by_method.items():
-        tokens = sum(r.n_new_tokens for r in rs)
-        wall = decoding_wall_s(rs)
-        n_stages = len(rs[0].stages)
-        pairs = {}
-        for s in range(1, n_stages):
-            trace = [t for r in rs for t in r.stages[s].verify_trace]
-            pairs[f"{s - 1}->{s}"] = acceptance(trace)
-        stages = []
-        for s in range(n_stages):
-            st = [r.stages[s] for r in rs]
-            fwd = sum(x.forward_calls for x in st)
-            verifs = sum(x.verifications for x in st)
-            stages.append(StageSummary(
-                model=st[0].model,
-                forward_calls=fwd,
-                rollbacks=sum(x.rollbacks for x in st),
-                tokens_discarded=sum(x.tokens_discarded for x in st),
-                discarded_s=sum(x.discarded_s for x in st),
-                busy_fraction=sum(x.busy_s + x.prefill_s for x in st) / wall if wall else 0.0,
-                verifications=verifs,
-                own_steps=sum(x.own_steps for x in st),
-                proposals_per_forward=verifs / fwd if fwd else 0.0,
-                tokens_per_forward=sum(x.tokens_generated for x in st) / fwd if fwd else 0.0,
-                drafter=drafter_summary([x.drafter for x in st]),
-            ))  # fmt: skip
-        lat = [x for r in rs for x in token_latencies(r.stages[-1].commit_times)]
-        out[method] = MethodSummary(
-            n_prompts=len(rs),
+class _DecodingWall:
+    """``decoding_wall_s`` fed one record at a time: the walls (for batch 1) and each replica's
+    first start and last end (batched)."""
+
+    def __init__(self) -> None:
+        self.batched = False  # a record at batch > 1: the spans, else the walls summed
+        self.walls = array("d")  # summed by sum() at the end (why: ``_Group``)
+        self.spans: dict[int, list[float]] = {}  # replica -> [first start, last end]
+
+    def add(self, r: Record) -> None:
+        self.batched = self.batched or r.batch_size != 1
+        self.walls.append(r.wall_s)
+        start = r.stages[-1].t0_perf_counter
+        end = start + r.wall_s
+        span = self.spans.setdefault(r.replica, [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)
+
+    def total(self) -> float:
+        if not self.batched:
+            return sum(self.walls)
+        span = 0.0
+        # the replicas in the order of a set of them, as the spans were always added up: the
+        # same float (a set built by the same insertions iterates in the same order)
+        for rep in {rep for rep in self.spans}:
+            start, end = self.spans[rep]
+            span += end - start
+        return span
+
+
+class _StageTotals:
+    """One stage's part of a ``_Group``."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.forward_calls = self.rollbacks = self.tokens_discarded = 0
+        self.verifications = self.own_steps = self.tokens_generated = 0
+        self.discarded_s = array("d")  # per record, summed by sum() at the end (``_Group``)
+        self.compute_s = array("d")  # busy + prefill, per record, likewise
+        self.trace: Counter[tuple[int, int]] = Counter()  # its verify_trace's pairs, counted
+        self.peak_rss_mb: float | None = None
+        self.drafter: dict[str, dict[str, float]] = {}  # ``_add_drafter``
+
+    def add(self, st: StageStats) -> None:
+        self.forward_calls += st.forward_calls
+        self.rollbacks += st.rollbacks
+        self.tokens_discarded += st.tokens_discarded
+        self.verifications += st.verifications
+        self.own_steps += st.own_steps
+        self.tokens_generated += st.tokens_generated
+        self.discarded_s.append(st.discarded_s)
+        self.compute_s.append(st.busy_s + st.prefill_s)
+        self.trace.update((n, a) for n, a in st.verify_trace)
+        rss = st.peak_rss_mb
+        self.peak_rss_mb = rss if self.peak_rss_mb is None else max(self.peak_rss_mb, rss)
+        _add_drafter(self.drafter, st.drafter)
+
+    def summary(self, wall: float) -> StageSummary:
+        fwd, verifs = self.forward_calls, self.verifications
+        return StageSummary(
+            model=self.model,
+            forward_calls=fwd,
+            rollbacks=self.rollbacks,
+            tokens_discarded=self.tokens_discarded,
+            discarded_s=sum(self.discarded_s),
+            busy_fraction=sum(self.compute_s) / wall if wall else 0.0,
+            verifications=verifs,
+            own_steps=self.own_steps,
+            proposals_per_forward=verifs / fwd if fwd else 0.0,
+            tokens_per_forward=self.tokens_generated / fwd if fwd else 0.0,
+            drafter=_drafter_rows(self.drafter),
+        )
+
+
+class _Group:
+    """One entry of summary.json (a method at a batch size), accumulated one record at a time.
+
+    Why: ``summarize`` and ``benchmark_table`` take any iterable of records (a generator reading
+    results.jsonl) in one pass and keep none of the records, so memory does not grow with their
+    per-token traces (a 100,000-record job's finalize held every record before: hundreds of MB).
+    Kept: counts and integer sums; each verifier's trace as counts of its (n_proposed,
+    n_accepted) pairs (at most window x window of them); the first record's stage models and
+    batch size; and in 8-byte arrays what exact results need: every token's latency and every
+    sequence's ms/token (percentiles), and the floats that were added up with sum() and
+    statistics.fmean() over the group's records (walls, each stage's compute and discarded
+    times, TTFTs). Those are summed by the same functions in the same (record) order at the end,
+    so the results are the same floats on every Python: since 3.12, sum() compensates rounding,
+    and a running += would differ from it in the last bits.
+    """
+
+    def __init__(self, first: Record) -> None:
+        self.batch_size = first.batch_size
+        self.n_prompts = 0
+        self.n_tokens = 0
+        self.wall = _DecodingWall()
+        self.ttft_s = array("d")
+        self.sequence_ms = array("d")  # of the records that generated tokens
+        self.token_latencies = array("d")
+        self.stages = [_StageTotals(st.model) for st in first.stages]
+        self.energy_j: dict[tuple[int, int], float] = {}  # per (rank, device)
+        self.threads = 0  # the most of one record's ranks together (``_cost``)
+        self.n_gpus = 0
+
+    def add(self, r: Record) -> None:
+        self.n_prompts += 1
+        self.n_tokens += r.n_new_tokens
+        self.wall.add(r)
+        self.ttft_s.append(r.ttft_s)
+        if r.n_new_tokens:
+            self.sequence_ms.append(r.ms_per_token)
+        self.token_latencies.extend(token_latencies(r.stages[-1].commit_times))
+        for s, totals in enumerate(self.stages):
+            totals.add(r.stages[s])
+        for st in r.stages:
+            for g in st.gpus:
+                key = (st.rank, g["device"])
+                self.energy_j[key] = self.energy_j.get(key, 0.0) + g["energy_j"]
+        self.threads = max(self.threads, sum(st.threads for st in r.stages))
+        self.n_gpus = max(self.n_gpus, sum(st.n_gpus for st in r.stages))
+
+    def summary(self) -> MethodSummary:
+        tokens, wall = self.n_tokens, self.wall.total()
+        pairs = {
+            f"{s - 1}->{s}": acceptance_of_counts(self.stages[s].trace) for s in range(1, len(self.stages))
+        }
+        return MethodSummary(
+            n_prompts=self.n_prompts,
             n_tokens=tokens,
             wall_s=wall,
             ms_per_token=1000 * wall / tokens if tokens else 0.0,
             tokens_per_s=tokens / wall if wall else 0.0,
-            ttft_s_mean=statistics.fmean(r.ttft_s for r in rs),
-            token_latency_ms=latency_percentiles_ms(lat),
+            ttft_s_mean=statistics.fmean(self.ttft_s),
+            token_latency_ms=latency_percentiles_ms(self.token_latencies),
             acceptance=pairs,
             mean_accepted_per_verification={k: v.mean_accepted for k, v in pairs.items()},
-            stages=stages,
-            peak_rss_mb=[max(r.stages[s].peak_rss_mb for r in rs) for s in range(n_stages)],
-            batch_size=rs[0].batch_size,
-            sequence_ms_per_token=_sequence_ms([r.ms_per_token for r in rs if r.n_new_tokens]),
-            **_energy(rs, tokens),
-            **_cost(rs, tokens, wall),
+            stages=[st.summary(wall) for st in self.stages],
+            peak_rss_mb=[st.peak_rss_mb for st in self.stages],
+            batch_size=self.batch_size,
+            sequence_ms_per_token=_sequence_ms(self.sequence_ms),
+            **_energy(self.energy_j, tokens),
+            **_cost(self.threads, self.n_gpus, tokens, wall),
         )
-    return out
 
 
-def _cost(rs: Sequence[Record], tokens: int, wall: float) -> dict:
+def _add(groups: dict[str, _Group], r: Record) -> None:
+    """``r`` into its group (``group_key``); a group starts at its first record."""
+    key = group_key(r.method, r.batch_size)
+    if key not in groups:
+        groups[key] = _Group(r)
+    groups[key].add(r)
+
+
+def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
+    """summary.json: per method and batch size (``group_key``), over the non-warm-up records, in
+    one pass over ``records`` that keeps none of them (``_Group``)."""
+    groups: dict[str, _Group] = {}
+    for r in records:
+        if not r.warmup:
+            _add(groups, r)
+    return {key: g.summary() for key, g in groups.items()}
+
+
+def _cost(cores: int, gpus: int, tokens: int, wall: float) -> dict:
     """Core-hours (GPU-hours on GPUs) per million output tokens: the threads (GPUs) of one
-    replica's ranks times the method's decoding wall time (summed over replicas), over its tokens.
-    Absent from records that predate the counts."""
+    replica's ranks (the most of any record) times the method's decoding wall time (summed over
+    replicas), over its tokens. Absent from records that predate the counts."""
     if not tokens:
         return {}
-    cores = max(sum(s.threads for s in r.stages) for r in rs)
-    gpus = max(sum(s.n_gpus for s in r.stages) for r in rs)
     out = {}
     if cores:
         out["core_hours_per_million_tokens"] = cores * wall / 3600 / tokens * 1e6
@@ -171,34 +283,39 @@ def _cost(rs: Sequence[Record], tokens: int, wall: float) -> dict:
     return out
 
 
-def drafter_summary(counts: Sequence[dict]) -> dict[str, dict[str, float]]:
+def drafter_summary(counts: Iterable[dict]) -> dict[str, dict[str, float]]:
     """A model-free drafter's counters (``DrafterCounts``, one per record) summed per source, with
     the mean accepted tokens per proposal; {} for a drafter that keeps none."""
     out: dict[str, dict[str, float]] = {}
     for c in counts:
-        for what in ("proposals", "proposed", "accepted"):
-            for source, n in (c.get(what) or {}).items():
-                row = out.setdefault(source, {"proposals": 0, "proposed": 0, "accepted": 0})
-                row[what] += n
-    for row in out.values():
-        row["mean_accepted"] = row["accepted"] / row["proposals"] if row["proposals"] else 0.0
-    return dict(sorted(out.items()))
+        _add_drafter(out, c)
+    return _drafter_rows(out)
 
 
-def _sequence_ms(xs: list[float]) -> dict[str, float]:
+def _add_drafter(out: dict[str, dict[str, float]], c: dict) -> None:
+    """One record's drafter counters into the running sums ``out`` (source -> counter -> n)."""
+    for what in ("proposals", "proposed", "accepted"):
+        for source, n in (c.get(what) or {}).items():
+            row = out.setdefault(source, {"proposals": 0, "proposed": 0, "accepted": 0})
+            row[what] += n
+
+
+def _drafter_rows(sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``drafter_summary`` of the sums ``_add_drafter`` made: with the means, sorted by source."""
+    return {
+        source: {**row, "mean_accepted": row["accepted"] / row["proposals"] if row["proposals"] else 0.0}
+        for source, row in sorted(sums.items())
+    }
+
+
+def _sequence_ms(xs: Sequence[float]) -> dict[str, float]:
     """Each sequence's own ms/token: p50, p90, mean (empty without sequences)."""
     return {**percentiles(xs, (50, 90)), "mean": statistics.fmean(xs)} if xs else {}
 
 
-def _energy(rs: list[Record], tokens: int) -> dict:
-    """Energy per token from NVML samples (GPU runs only): per GPU (mean over the GPUs, as the
-    paper's figure) and summed over the system."""
-    per_gpu: dict[tuple[int, int], float] = {}
-    for r in rs:
-        for st in r.stages:
-            for g in st.gpus:
-                key = (st.rank, g["device"])
-                per_gpu[key] = per_gpu.get(key, 0.0) + g["energy_j"]
+def _energy(per_gpu: Mapping[tuple[int, int], float], tokens: int) -> dict:
+    """Energy per token from NVML samples (GPU runs only), from the joules per (rank, device): per
+    GPU (mean over the GPUs, as the paper's figure) and summed over the system."""
     if not per_gpu or not tokens:
         return {}
     total = sum(per_gpu.values())
@@ -212,16 +329,19 @@ def _energy(rs: list[Record], tokens: int) -> dict:
 def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[str, BenchmarkRow]:
     """benchmark.json: per method (and batch size, ``group_key``) ms/token, tokens/s and speedup
     over ``ar`` at the same batch size (aggregate ratio, and median/min/max of per-prompt ratios
-    of ms/token over the prompts every method decoded)."""
-    rs = [r for r in records if not r.warmup]
-    summary = summarize(rs)
-    per_prompt: dict[str, dict[str, float]] = {}
-    for r in rs:
-        key = f"{r.replica}:{r.prompt_id}:{r.batch_size}"
-        per_prompt.setdefault(key, {})[r.method] = r.ms_per_token
+    of ms/token over the prompts every method decoded). One pass over ``records``, keeping none
+    of them (``summarize``) but each one's ms/token."""
+    groups: dict[str, _Group] = {}
+    # batch size -> (replica, prompt_id) -> method -> ms/token (of the last such record)
+    per_prompt: dict[int, dict[tuple[int, str], dict[str, float]]] = {}
+    for r in records:
+        if not r.warmup:
+            _add(groups, r)
+            prompt = (r.replica, r.prompt_id)
+            per_prompt.setdefault(r.batch_size, {}).setdefault(prompt, {})[r.method] = r.ms_per_token
+    summary = {key: g.summary() for key, g in groups.items()}
     out = {}
-    sizes = sorted({r.batch_size for r in rs})
-    for b, m in [(b, m) for b in sizes for m in methods]:
+    for b, m in [(b, m) for b in sorted(per_prompt) for m in methods]:
         key, ar = group_key(m, b), group_key("ar", b)
         if key not in summary:
             continue
@@ -239,11 +359,7 @@ def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[s
         )
         if ar in summary:
             row.speedup = summary[ar].ms_per_token / s.ms_per_token
-            ratios = [
-                p["ar"] / p[m]
-                for k, p in per_prompt.items()
-                if k.endswith(f":{b}") and "ar" in p and m in p and p[m] > 0
-            ]
+            ratios = [p["ar"] / p[m] for p in per_prompt[b].values() if "ar" in p and m in p and p[m] > 0]
             if ratios:
                 row.speedup_per_prompt = SpeedupPerPrompt(
                     median=statistics.median(ratios), min=min(ratios), max=max(ratios), n=len(ratios)

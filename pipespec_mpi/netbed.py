@@ -48,6 +48,7 @@ class BedConfig:
     hosts: int = 2
     delay_ms: float = 0.0  # added one-way delay of every packet between two hosts
     net: int = 78  # the hosts' addresses are 10.<net>.0.1 .. 10.<net>.0.<hosts>
+    drop_tcp_ports: tuple[int, ...] = ()  # the wire drops TCP packets to these ports (a firewall)
 
     def __post_init__(self) -> None:
         problems = []
@@ -57,6 +58,7 @@ class BedConfig:
             problems.append(f"delay_ms={self.delay_ms} (>= 0)")
         if not 1 <= self.net <= 254:
             problems.append(f"net={self.net} (1..254)")
+        problems += [f"drop_tcp_ports: {p} (1..65535)" for p in self.drop_tcp_ports if not 1 <= p <= 65535]
         if not self.name.isidentifier() or len(self.name) > 8:
             problems.append(f"name={self.name!r} (a short identifier: it prefixes namespace names)")
         if problems:
@@ -135,11 +137,20 @@ class _Stop(Exception):
     pass
 
 
+def _tcp_port(pkt: bytes) -> int | None:
+    """The destination port of an IPv4 TCP packet (None for anything else)."""
+    ihl = (pkt[0] & 0x0F) * 4
+    if pkt[9] != 6 or len(pkt) < ihl + 4:
+        return None
+    return int.from_bytes(pkt[ihl + 2 : ihl + 4], "big")
+
+
 def _carry(cfg: BedConfig, fds: list[int]) -> None:
     host_of = {fd: i for i, fd in enumerate(fds)}
     prefix = bytes([10, cfg.net, 0])
     delay = cfg.delay_ms / 1000
     queues: list[deque[tuple[float, bytes]]] = [deque() for _ in fds]
+    drop = frozenset(cfg.drop_tcp_ports)
     while True:
         due = min((q[0][0] for q in queues if q), default=None)
         timeout = None if due is None else max(0.0, due - time.monotonic())
@@ -150,6 +161,8 @@ def _carry(cfg: BedConfig, fds: list[int]) -> None:
             if len(pkt) < 20 or pkt[0] >> 4 != 4 or pkt[16:19] != prefix:
                 continue  # IPv6 (router solicitations), or not addressed to a host of the bed
             dst = pkt[19] - 1
+            if drop and _tcp_port(pkt) in drop:
+                continue  # firewalled: the sender sees no answer, as from a filtered port
             if 0 <= dst < len(fds) and dst != host_of[fd]:
                 if delay == 0:
                     os.write(fds[dst], pkt)
@@ -211,6 +224,7 @@ class NetBed:
             ready = cfg.state / "wire.pid"
             args = [sys.executable, "-m", "pipespec_mpi.netbed", "wire", "--name", cfg.name]
             args += ["--hosts", str(cfg.hosts), "--delay-ms", str(cfg.delay_ms), "--net", str(cfg.net)]
+            args += [f"--drop-tcp-port={p}" for p in cfg.drop_tcp_ports]
             with open(cfg.state / "wire.log", "w") as log:
                 self._wire = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
             deadline = time.monotonic() + 30
@@ -273,7 +287,10 @@ class NetBed:
 
 
 def _config(args: argparse.Namespace) -> BedConfig:
-    return BedConfig(name=args.name, hosts=args.hosts, delay_ms=args.delay_ms, net=args.net)
+    return BedConfig(
+        name=args.name, hosts=args.hosts, delay_ms=args.delay_ms, net=args.net,
+        drop_tcp_ports=tuple(args.drop_tcp_port),
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--hosts", type=int, default=BedConfig.hosts)
         s.add_argument("--delay-ms", type=float, default=BedConfig.delay_ms)
         s.add_argument("--net", type=int, default=BedConfig.net)
+        s.add_argument("--drop-tcp-port", type=int, action="append", default=[],
+                       help="the wire drops TCP packets to this port (a firewall; repeatable)")  # fmt: skip
         if name == "mpirun":
             s.add_argument("-n", type=int, required=True)
             s.add_argument("--ppn", type=int, required=True)

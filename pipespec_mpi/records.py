@@ -1,7 +1,7 @@
 """The files of a run directory as types (README "Output contract").
 
 - ``Record``: one line of ``results.jsonl`` (and of ``parts/replica-<r>.jsonl``): one (prompt,
-  method, sample), with one ``StageStats`` per stage, as each stage sent it. ``read_records`` is
+  method, sample), with one ``StageStats`` per stage, as each stage sent it. ``iter_records`` is
   the one reader of these files; ``write_records`` writes one.
 - ``MethodSummary`` (``summary.json``, per method) and ``BenchmarkRow`` (``benchmark.json``, per
   method), each written and read by one function.
@@ -16,11 +16,12 @@ reported on stderr and skipped.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -113,28 +114,63 @@ def _stage_list(value: Any, where: str) -> list[StageStats]:
 
 
 def read_records(path: str | Path) -> list[Record]:
-    """The records of a results file (results.jsonl or a part), in file order; blank lines are
-    skipped. A line that is not a record raises ``RecordError`` (file and line), except a torn
-    last line (no final newline: a job killed mid-write), which is reported on stderr and skipped."""
-    text = Path(path).read_text(encoding="utf-8")
-    lines = text.split("\n")  # the last element is what follows the final newline ("" if complete)
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == len(lines):
-                print(f"[pipespec_mpi] {path}:{i}: skipping a torn last line (a job killed mid-write)",
-                      file=sys.stderr)  # fmt: skip
+    """``iter_records`` as a list."""
+    return list(iter_records(path))
+
+
+def iter_records(path: str | Path) -> Iterator[Record]:
+    """The records of a results file (results.jsonl or a part), in file order, one line at a
+    time; blank lines are skipped. A line that is not a record raises ``RecordError`` (file and
+    line), except a torn last line (no final newline: a job killed mid-write), which is reported
+    on stderr and skipped."""
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
                 continue
-            raise RecordError(path, i, f"not JSON: {err.msg} (column {err.colno})") from None
-        try:
-            out.append(Record.from_json(obj))
-        except _Malformed as err:
-            raise RecordError(path, i, str(err)) from None
-    return out
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                if not line.endswith("\n"):
+                    print(f"[pipespec_mpi] {path}:{i}: skipping a torn last line (a job killed mid-write)",
+                          file=sys.stderr)  # fmt: skip
+                    continue
+                raise RecordError(path, i, f"not JSON: {err.msg} (column {err.colno})") from None
+            try:
+                yield Record.from_json(obj)
+            except _Malformed as err:
+                raise RecordError(path, i, str(err)) from None
+
+
+def sorted_records(
+    records: Iterable[Record], key: Callable[[Record], Any], spill_dir: str | Path, run_len: int = 4096
+) -> Iterator[Record]:
+    """``records`` sorted by ``key`` (stable), holding at most ``run_len`` of them: longer inputs
+    are sorted in runs spilled to files in ``spill_dir`` and merged (a 100,000-record job's
+    results are not held at once). The spilled files are removed when the merge ends."""
+    runs: list[Path] = []
+    buf: list[Record] = []
+
+    def spill() -> None:
+        path = Path(spill_dir) / f".sort-run-{len(runs)}.jsonl"
+        write_records(path, sorted(buf, key=key))
+        runs.append(path)
+        buf.clear()
+
+    for r in records:
+        buf.append(r)
+        if len(buf) == run_len:
+            spill()
+    if not runs:
+        yield from sorted(buf, key=key)
+        return
+    if buf:
+        spill()
+    try:
+        # ties keep their run's order, and runs are in input order: stable, as sorted() is
+        yield from heapq.merge(*(iter_records(p) for p in runs), key=key)
+    finally:
+        for p in runs:
+            p.unlink(missing_ok=True)
 
 
 def write_records(path: str | Path, records: Iterable[Record]) -> None:

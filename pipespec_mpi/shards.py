@@ -20,13 +20,13 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.records import ERRORS, RESULTS, Record, read_errors, read_records, write_errors
+from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
 from pipespec_mpi.run.jobs import JobKey, batch_sizes, done_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,14 +92,12 @@ def run_config(run_dir: Path) -> AppConfig:
 def expected_jobs(cfg: AppConfig, bad_positions: set[int] = frozenset()) -> set[JobKey]:
     """What a run of ``cfg`` decodes: its shard of the rows (those not at ``bad_positions``,
     errors.jsonl's, nor unreadable), each method, sample and batch size."""
-    from pipespec_mpi.data.datasets import Request, load_prompts
+    from pipespec_mpi.data.datasets import Request, job_rows
 
-    rows = [
-        p for p in load_prompts(cfg.dataset) if isinstance(p, Request) and p.position not in bad_positions
-    ]
+    ids = (p.id for p in job_rows(cfg.dataset) if isinstance(p, Request) and p.position not in bad_positions)
     methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
     n = cfg.sampling.num_samples
-    return {(p.id, m, k, b) for p in rows for m in methods for k in range(n) for b in batch_sizes(cfg)}
+    return {(i, m, k, b) for i in ids for m in methods for k in range(n) for b in batch_sizes(cfg)}
 
 
 def _activity(run_dir: Path, want: set[JobKey]) -> tuple[int, float]:
@@ -108,7 +106,7 @@ def _activity(run_dir: Path, want: set[JobKey]) -> tuple[int, float]:
     for p in [run_dir / RESULTS, *sorted((run_dir / "parts").glob("*.jsonl"))]:
         if not p.exists():
             continue
-        for r in read_records(p):
+        for r in iter_records(p):
             if r.warmup or (r.prompt_id, r.method, r.sample_idx, r.batch_size) not in want:
                 continue
             tokens += r.n_new_tokens
@@ -176,29 +174,34 @@ def resubmit_command(
     return argv, env
 
 
-def merge(array_dir: Path) -> list[Record]:
+def merge(array_dir: Path) -> int:
     """Every shard's records (results.jsonl and parts, each job once) written as the array
-    directory's results.jsonl, summary.json and benchmark.json."""
-    from pipespec_mpi.data.datasets import load_prompts
+    directory's results.jsonl, summary.json and benchmark.json, read as streams; the records
+    merged."""
     from pipespec_mpi.run.finalize import write_run_files
 
     cfg = array_config(array_dir)
-    records: dict[tuple, Record] = {}
+    dirs = list(shard_dirs(array_dir).values())
     errors: dict[int, dict] = {}
-    for d in shard_dirs(array_dir).values():
-        for p in [d / RESULTS, *sorted((d / "parts").glob("*.jsonl"))]:
-            if p.exists():
-                for r in read_records(p):
-                    records.setdefault((r.prompt_id, r.method, r.sample_idx, r.batch_size, r.warmup), r)
+    for d in dirs:
         for e in read_errors(d / ERRORS):
             errors.setdefault(e["position"], e)
-    whole = replace(cfg.dataset, shard_index=0, shard_count=1)
-    order = [p.id for p in load_prompts(whole) if p.id is not None]
-    merged = list(records.values())
+    seen: set[tuple] = set()
+
+    def records() -> Iterator[Record]:
+        for d in dirs:
+            for p in [d / RESULTS, *sorted((d / "parts").glob("*.jsonl"))]:
+                if p.exists():
+                    for r in iter_records(p):
+                        key = (r.prompt_id, r.method, r.sample_idx, r.batch_size, r.warmup)
+                        if key not in seen:
+                            seen.add(key)
+                            yield r
+
     bad = [errors[k] for k in sorted(errors)]
     write_errors(Path(array_dir) / ERRORS, bad)
-    write_run_files(cfg, Path(array_dir), merged, order, bad)
-    return merged
+    write_run_files(cfg, Path(array_dir), records(), bad)
+    return len(seen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -238,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(shown, flush=True)
             return subprocess.run(cmd, env={**os.environ, **env}, cwd=ROOT).returncode
         merged = merge(a.array_dir)
-        print(f"merged {len(merged)} records of {len(states)} shards into {a.array_dir}")
+        print(f"merged {merged} records of {len(states)} shards into {a.array_dir}")
         if missing:
             print(f"still missing: shards {array_spec(missing)}", file=sys.stderr)
             return 3

@@ -149,8 +149,9 @@ def rendezvous_interface(world: World, configured: str | None) -> str:
     return picked
 
 
-def init_torch_distributed(world: World, backend: str, iface: str | None) -> None:
-    """Initialise torch.distributed over the MPI world (rank 0 picks address and port)."""
+def init_torch_distributed(world: World, backend: str, iface: str | None, port: int | None = None) -> None:
+    """Initialise torch.distributed over the MPI world (rank 0 picks its address, and a free
+    port unless ``port`` is given)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -159,13 +160,14 @@ def init_torch_distributed(world: World, backend: str, iface: str | None) -> Non
     iface = rendezvous_interface(world, iface)
     os.environ["GLOO_SOCKET_IFNAME"] = iface
     os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    addr = port = None
+    addr = None
     if world.rank == 0:
         addr = "127.0.0.1" if world.n_nodes == 1 else _iface_address(iface)
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-    addr, port = comm.bcast((addr, port), root=0)
+        if port is None:
+            with socket.socket() as s:
+                s.bind((addr, 0))
+                port = s.getsockname()[1]
+    addr, port = comm.bcast((addr, port), root=0)  # rank 0's choice
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     dist.init_process_group(
         backend, init_method=f"tcp://{addr}:{port}", rank=world.rank, world_size=world.size

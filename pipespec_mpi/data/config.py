@@ -31,6 +31,7 @@ class DatasetConfig:
     chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
     max_prompt_tokens: int = 512  # a longer prompt is a bad row, unless ``truncate`` says how to cut
     truncate: str | None = None  # left: keep the first token and the end; right: keep the start
+    round_rows: int = 4096  # prompts per replica that rank 0 reads and deals out at a time (run/rows.py)
     shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
     shard_count: int = 1
     hub_name: str | None = None
@@ -59,6 +60,8 @@ def problems(ds: DatasetConfig) -> list[str]:
             f"dataset.shard_index={ds.shard_index}, dataset.shard_count={ds.shard_count}: "
             "need 0 <= shard_index < shard_count"
         )
+    if not isinstance(ds.round_rows, int) or ds.round_rows < 1:
+        p.append(f"dataset.round_rows={ds.round_rows}: must be an integer >= 1")
     if ds.max_prompt_tokens < 1:
         p.append(f"dataset.max_prompt_tokens={ds.max_prompt_tokens}: must be >= 1")
     if ds.truncate not in TRUNCATIONS:

@@ -17,12 +17,13 @@ import gzip
 import importlib.util
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from pipespec_mpi.data.config import DatasetConfig
 from pipespec_mpi.data.requests import BadRow, DatasetError, Request, count_rows, read_requests
 
-__all__ = ["BadRow", "DatasetError", "Request", "load_prompts", "shard"]
+__all__ = ["BadRow", "DatasetError", "Request", "job_rows", "load_prompts", "shard"]
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -103,11 +104,16 @@ def hub(cfg: DatasetConfig) -> list[Request]:
 
 
 def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
+    """``job_rows`` as a list (the built-in benchmarks, tools and tests; a job streams them)."""
+    return list(job_rows(cfg))
+
+
+def job_rows(cfg: DatasetConfig) -> Iterator[Request | BadRow]:
     """This job's rows: the dataset's rows in order (a seeded shuffle with ``dataset.shuffle``),
     the first ``n_prompts`` (None: all), then the job's shard of them (``shard_index`` of
     ``shard_count``: every shard_count-th). A user file's rows that are not requests are
     ``BadRow``s, kept in their place so that every row is accounted for; only the shard's rows
-    are decoded."""
+    are decoded. User files are read as a stream (``_user_rows``)."""
     if cfg.user_files:
         return _user_rows(cfg)
     if cfg.name == "humaneval":
@@ -122,29 +128,31 @@ def load_prompts(cfg: DatasetConfig) -> list[Request | BadRow]:
         raise DatasetError(f"dataset {cfg.name!r} has no rows")
     if cfg.shuffle:
         random.Random(cfg.seed).shuffle(items)
-    return shard(items[: cfg.n_prompts], cfg.shard_index, cfg.shard_count)
+    return iter(shard(items[: cfg.n_prompts], cfg.shard_index, cfg.shard_count))
 
 
-def _user_rows(cfg: DatasetConfig) -> list[Request | BadRow]:
-    """``load_prompts`` for user files: the shard's positions are chosen first (by position
-    alone, the same choice as shuffling the rows themselves), then only those rows are decoded."""
+def _user_rows(cfg: DatasetConfig) -> Iterator[Request | BadRow]:
+    """``job_rows`` of user files, one row at a time in file order: the shard's positions are
+    chosen first (shuffled: by position alone, the same choice as shuffling the rows
+    themselves), and only those rows are decoded. (A shuffled choice is decoded in file order:
+    results are written in row order anyway, and holding the chosen rows to reorder them would
+    hold the whole shard.)"""
     if cfg.shuffle:
         order = list(range(count_rows(cfg)))
         random.Random(cfg.seed).shuffle(order)
-        mine = shard(order[: cfg.n_prompts], cfg.shard_index, cfg.shard_count)
-        wanted = set(mine)
-        got = {r.position: r for r in read_requests(cfg, wanted.__contains__)}
-        rows = [got[p] for p in mine]
+        wanted = set(shard(order[: cfg.n_prompts], cfg.shard_index, cfg.shard_count)).__contains__
     else:
         n = cfg.n_prompts
 
         def wanted(p: int) -> bool:
             return (n is None or p < n) and p % cfg.shard_count == cfg.shard_index
 
-        rows = [r for r in read_requests(cfg, wanted)]
-    if not rows and cfg.shard_index == 0:
+    any_row = False
+    for row in read_requests(cfg, wanted):
+        any_row = True
+        yield row
+    if not any_row and cfg.shard_index == 0:
         raise DatasetError(f"dataset.path={cfg.path!r} has no rows")
-    return rows
 
 
 def shard(items: list, index: int, count: int) -> list:

@@ -164,7 +164,12 @@ class Progress:
     def __init__(self, replica: int, total: int, every_s: float, clock: Callable[[], float] = time.monotonic):
         self.replica, self.total, self.every_s, self.clock = replica, total, every_s, clock
         self.t0 = self.last = clock()
-        self.done = self.tokens = 0
+        self.done = self.tokens = self.before = 0
+
+    def skip(self, n: int) -> None:
+        """``n`` jobs a resumed run finished before: done, but not part of this run's rate."""
+        self.done += n
+        self.before += n
 
     def update(self, n_tokens: int) -> None:
         self.done += 1
@@ -177,7 +182,8 @@ class Progress:
     def line(self, now: float) -> str:
         elapsed = max(now - self.t0, 1e-9)
         left = self.total - self.done
-        eta = left * elapsed / self.done if self.done else float("nan")
+        here = self.done - self.before  # this run's: the rate of the ETA
+        eta = left * elapsed / here if here else float("nan")
         return (
             f"progress: replica {self.replica}: {self.done}/{self.total} prompt runs done, {left} left, "
             f"{self.tokens / elapsed:.1f} tokens/s, elapsed {_hms(elapsed)}, ETA {_hms(eta)}"
@@ -217,6 +223,13 @@ class Collector:
             self.bar.set_postfix(
                 method=job.method, tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}", accepted=f"{acc:.2f}"
             )
+
+    def skipped(self, n: int) -> None:
+        """``n`` jobs of the next round that a resumed run already holds."""
+        if n and self.log_progress is not None:
+            self.log_progress.skip(n)
+        if n and self.bar is not None:
+            self.bar.update(n)
 
     def close(self) -> None:
         self.file.close()

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from pipespec_mpi import metrics
 from pipespec_mpi.config import AppConfig
-from pipespec_mpi.data.datasets import load_prompts
 from pipespec_mpi.records import (
     BENCHMARK,
     ERRORS,
@@ -20,8 +19,9 @@ from pipespec_mpi.records import (
     SUMMARY,
     BenchmarkRow,
     Record,
+    iter_records,
     read_errors,
-    read_records,
+    sorted_records,
     write_benchmark,
     write_records,
     write_summary,
@@ -31,41 +31,36 @@ from pipespec_mpi.run.slurm_info import append_slurm_record
 
 
 def finalize(cfg: AppConfig, run_dir: Path) -> None:
-    """(The job's row order is read again from the dataset: rank 0 holds only its replica's rows.)"""
-    records = [r for p in sorted((run_dir / "parts").glob("replica-*.jsonl")) for r in read_records(p)]
-    order = [p.id for p in load_prompts(cfg.dataset) if p.id is not None]
-    write_run_files(cfg, run_dir, records, order, read_errors(run_dir / ERRORS))
+    """The run's files from its parts (read as streams: no file's records are held at once)."""
+    parts = sorted((run_dir / "parts").glob("replica-*.jsonl"))
+    records = (r for p in parts for r in iter_records(p))
+    write_run_files(cfg, run_dir, records, read_errors(run_dir / ERRORS))
     append_slurm_record(run_dir, os.environ)
 
 
-def write_run_files(
-    cfg: AppConfig,
-    run_dir: Path,
-    records: list[Record],
-    prompt_order: list[str],
-    errors: list[dict],
-) -> None:
-    """results.jsonl (warm-ups first, then in prompt order), the ``run.output_format`` file,
-    summary.json, benchmark.json and the printed table, from ``records`` (a run's parts, or an
-    array's shards: pipespec_mpi/shards.py) and ``errors`` (errors.jsonl's rows)."""
-    order = {pid: i for i, pid in enumerate(prompt_order)}  # records older than ``position``
+def place(r: Record) -> tuple:
+    """A record's place in results.jsonl: warm-ups first, then by row, then in job order
+    (records older than ``position`` sort by job order alone)."""
+    return (r.warmup is not True, r.position if r.position is not None else -1, r.seq)
 
-    def place(r: Record) -> tuple:
-        return (
-            r.warmup is not True,
-            r.position if r.position is not None else order.get(r.prompt_id, 0),
-            r.seq,
-        )
 
-    records = sorted(records, key=place)
-    write_records(run_dir / RESULTS, records)
-    write_outputs(cfg.run.output_format, run_dir, records, errors, cfg.hierarchy.stages[-1].name)
-    summary = metrics.summarize(records)
+def write_run_files(cfg: AppConfig, run_dir: Path, records: Iterable[Record], errors: list[dict]) -> None:
+    """results.jsonl (``place`` order), the ``run.output_format`` file, summary.json,
+    benchmark.json and the printed table, from ``records`` in any order (a run's parts, or an
+    array's shards: pipespec_mpi/shards.py) and ``errors`` (errors.jsonl's rows). Each file is
+    written in one pass over results.jsonl, read back as a stream."""
+    write_records(run_dir / RESULTS, sorted_records(records, place, run_dir))
+
+    def results() -> Iterator[Record]:
+        return iter_records(run_dir / RESULTS)
+
+    write_outputs(cfg.run.output_format, run_dir, results(), errors, cfg.hierarchy.stages[-1].name)
+    summary = metrics.summarize(results())
     for s in summary.values():
         s.rows_not_decoded = len(errors)
     write_summary(run_dir / SUMMARY, summary)
     if cfg.run.mode == "benchmark":
-        bench = metrics.benchmark_table(records, cfg.run.methods)
+        bench = metrics.benchmark_table(results(), cfg.run.methods)
         write_benchmark(run_dir / BENCHMARK, bench)
         print(format_benchmark(bench), flush=True)
     else:

@@ -4,17 +4,17 @@ sampler."""
 
 from __future__ import annotations
 
+import hashlib
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig, SamplingConfig
-from pipespec_mpi.data.datasets import BadRow, DatasetError, Request, load_prompts
+from pipespec_mpi.data.datasets import BadRow, DatasetError, Request, job_rows
 from pipespec_mpi.data.requests import RowSettings
 from pipespec_mpi.records import RESULTS, read_records
 from pipespec_mpi.speculative.sampling import Sampler, mix
-from pipespec_mpi.topology import Placement
 
 
 @dataclass(frozen=True)
@@ -118,24 +118,64 @@ def prepare(req: Request, cfg: AppConfig, tokenizer) -> Prompt | BadRow:
     return Prompt(req.id, ids, req.position, req.settings, req.chat, req.openai, cut)
 
 
-def tokenize_prompts(cfg: AppConfig, tokenizer) -> Prepared:
-    """The run's rows (``load_prompts``) as prompts and bad rows, in the rows' order; a second
-    row with an id already seen is a bad row (ids key the results and a resumed run)."""
-    prompts, bad, seen = [], [], {}
-    for item in load_prompts(cfg.dataset):
+Context = tuple[int, int, str]  # (tokens, stage, name): the smallest context of the stages
+
+
+def context_problem(prompt: Prompt, context: Context | None, default_budget: int) -> str | None:
+    """Why ``prompt`` with its token budget does not fit ``context`` (None: it fits)."""
+    if context is None:
+        return None
+    limit, stage, name = context
+    budget = prompt.max_new_tokens(default_budget)
+    if len(prompt.ids) + budget <= limit:
+        return None
+    return (f"the prompt ({len(prompt.ids)} tokens) plus max_tokens ({budget}) is more than the "
+            f"context of {limit} tokens of stage {stage} ({name})")  # fmt: skip
+
+
+class FirstIds:
+    """Where each row id was first seen, by a 64-bit digest of the id (about 100 bytes per row,
+    not the id itself: a million-row job's ids are not held): a second row with an id already
+    seen is a bad row (ids key the results and a resumed run)."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, int] = {}
+
+    def duplicate(self, prompt: Prompt, source: str) -> BadRow | None:
+        key = int.from_bytes(hashlib.blake2b(prompt.id.encode(), digest_size=8).digest(), "little")
+        first = self._first.setdefault(key, prompt.position)
+        if first == prompt.position:
+            return None
+        return BadRow(prompt.position, source, f"duplicate id (first at row {first})", prompt.id)
+
+
+def prepared_rows(cfg: AppConfig, tokenizer, context: Context | None = None) -> Iterator[Prompt | BadRow]:
+    """The job's rows (``job_rows``, a stream) tokenized, in the rows' order: a ``Prompt``, or a
+    ``BadRow`` for a row that cannot be decoded (``prepare``), does not fit ``context`` with
+    its budget, or repeats an earlier row's id."""
+    ids = FirstIds()
+    for item in job_rows(cfg.dataset):
         got = item if isinstance(item, BadRow) else prepare(item, cfg, tokenizer)
         if isinstance(got, Prompt):
-            if got.id in seen:
-                got = BadRow(got.position, item.source, f"duplicate id (first at row {seen[got.id]})", got.id)
+            why = context_problem(got, context, cfg.decode.max_new_tokens)
+            if why is not None:
+                got = BadRow(got.position, "context check", why, got.id)
             else:
-                seen[got.id] = got.position
+                got = ids.duplicate(got, item.source) or got
+        yield got
+
+
+def tokenize_prompts(cfg: AppConfig, tokenizer, context: Context | None = None) -> Prepared:
+    """``prepared_rows`` in two lists (tools and tests; a job streams them: run/rows.py)."""
+    prompts, bad = [], []
+    for got in prepared_rows(cfg, tokenizer, context):
         (prompts if isinstance(got, Prompt) else bad).append(got)
     return Prepared(prompts, bad)
 
 
-def check_rows(prompts: Sequence[Prompt], bad: Sequence[BadRow], on_error: str) -> None:
-    """Stop the job when a bad row must stop it (``run.on_error=fail``), or when no row is left.
-    Every rank holds the same rows, so every rank raises alike (reported once)."""
+def check_rows(n_prompts: int, bad: Sequence[BadRow], on_error: str) -> None:
+    """Stop the job when a bad row must stop it (``run.on_error=fail``), or when no row is left
+    (``n_prompts`` rows can be decoded)."""
     err = None
     if bad and on_error == "fail":
         b = bad[0]
@@ -143,7 +183,7 @@ def check_rows(prompts: Sequence[Prompt], bad: Sequence[BadRow], on_error: str) 
             f"row {b.position} ({b.source}, id {b.id!r}): {b.reason}; {len(bad)} bad "
             "row(s) in all (run.on_error=skip writes them to errors.jsonl and decodes the rest)"
         )
-    elif not prompts:
+    elif not n_prompts:
         reasons = "; ".join(sorted({b.reason for b in bad})[:3])
         err = DatasetError(f"none of the {len(bad)} rows can be decoded (errors.jsonl): {reasons}")
     if err is not None:
@@ -168,25 +208,34 @@ def batch_sizes(cfg: AppConfig) -> tuple[int, ...]:
     return (cfg.decode.batch_size,)
 
 
-def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[JobKey]) -> list[Job]:
-    """This replica's jobs, in phases: the warm-ups (benchmark mode, batch 1), then per batch
-    size one phase with the methods interleaved per prompt (batch 1: A B C A B C, so drifting
-    memory bandwidth hits every method alike) or one phase per method (batched: a batch holds
-    one method's sequences, so its throughput is that method's alone). ``prompts``: this
-    replica's share of the job's rows (run/setup.py ``shared_prompts``)."""
-    mine = prompts
-    methods = list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method]
+def _methods(cfg: AppConfig) -> list[str]:
+    return list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method]
+
+
+def _warmups(cfg: AppConfig, n_prompts: int) -> int:
+    return min(cfg.run.warmup_prompts, n_prompts) if cfg.run.mode == "benchmark" else 0
+
+
+def plan_jobs(
+    cfg: AppConfig, prompts: list[Prompt], done: set[JobKey], warmups: bool = True, first_seq: int = 0
+) -> list[Job]:
+    """Jobs for ``prompts`` (a replica's share of the job's rows, or of one round of them:
+    run/rows.py), in phases: the warm-ups (benchmark mode, batch 1; ``warmups``: in the first
+    round only), then per batch size one phase with the methods interleaved per prompt (batch 1:
+    A B C A B C, so drifting memory bandwidth hits every method alike) or one phase per method
+    (batched: a batch holds one method's sequences, so its throughput is that method's alone).
+    Jobs are numbered from ``first_seq`` + 1; those in ``done`` (a resumed run's) are left out."""
+    methods = _methods(cfg)
     jobs: list[Job] = []
-    seq = phase = 0
-    if cfg.run.mode == "benchmark" and mine and cfg.run.warmup_prompts:
-        for p in mine[: cfg.run.warmup_prompts]:
-            for m in methods:
-                seq += 1
-                jobs.append(Job(seq, p, m, warmup=True))
+    seq, phase = first_seq, 0
+    for p in prompts[: _warmups(cfg, len(prompts)) if warmups else 0]:
+        for m in methods:
+            seq += 1
+            jobs.append(Job(seq, p, m, warmup=True))
     for b in batch_sizes(cfg):
         for group in [methods] if b == 1 else [[m] for m in methods]:
             phase += 1
-            for p in mine:
+            for p in prompts:
                 for k in range(cfg.sampling.num_samples):
                     for m in group:
                         seq += 1
@@ -194,6 +243,14 @@ def plan_jobs(cfg: AppConfig, prompts: list[Prompt], pl: Placement, done: set[Jo
                         if job.key not in done:
                             jobs.append(job)
     return jobs
+
+
+def count_jobs(cfg: AppConfig, n_prompts: int, warmups: bool = True) -> int:
+    """How many jobs ``plan_jobs`` numbers for ``n_prompts`` prompts, done or not (a replica's
+    total, known before its rows are read: progress and ETA; a round's, to number the next)."""
+    per_prompt = cfg.sampling.num_samples * len(_methods(cfg)) * len(batch_sizes(cfg))
+    warm = _warmups(cfg, n_prompts) * len(_methods(cfg)) if warmups else 0
+    return warm + n_prompts * per_prompt
 
 
 def phases(jobs: list[Job]) -> list[list[Job]]:

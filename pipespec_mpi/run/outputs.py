@@ -15,8 +15,9 @@ a benchmark (several methods, batch sizes) writes one line per request and metho
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,20 +97,36 @@ def openai_error_line(row: dict) -> dict:
     }
 
 
-def write_openai(path: Path, records: Iterable[Record], errors: Sequence[dict], model: str) -> int:
-    """results.openai.jsonl in row order (errors in their place); the lines written."""
-    groups: dict[tuple, list[Record]] = {}
+def _row_groups(records: Iterable[Record]) -> Iterator[tuple[int, list[Record]]]:
+    """(position, records) of each request's (prompt, method, batch size) in turn, from records
+    in row order (results.jsonl's): a row's records are consecutive, so one row is held at a
+    time; warm-ups are left out."""
+    row: dict[tuple, list[Record]] = {}
+    at = None
     for r in records:
-        if not r.warmup:
-            groups.setdefault((r.prompt_id, r.method, r.batch_size), []).append(r)
-    lines = [(g[0].position if g[0].position is not None else -1, json.dumps(openai_line(g, model)))
-             for g in groups.values()]  # fmt: skip
-    lines += [(e.get("position", -1), json.dumps(openai_error_line(e))) for e in errors]
-    lines.sort(key=lambda t: t[0])  # a stable sort: a request's methods stay in record order
+        if r.warmup:
+            continue
+        pos = r.position if r.position is not None else -1
+        if row and pos != at:
+            yield from ((at, g) for g in row.values())
+            row = {}
+        at = pos
+        row.setdefault((r.prompt_id, r.method, r.batch_size), []).append(r)
+    yield from ((at, g) for g in row.values())
+
+
+def write_openai(path: Path, records: Iterable[Record], errors: Sequence[dict], model: str) -> int:
+    """results.openai.jsonl in row order (errors in their place) from ``records`` in row order,
+    written as they come; the lines written."""
+    decoded = ((pos, json.dumps(openai_line(g, model))) for pos, g in _row_groups(records))
+    failed = sorted(((e.get("position", -1), json.dumps(openai_error_line(e))) for e in errors),
+                    key=lambda t: t[0])  # fmt: skip
+    n = 0
     with open(path, "w", encoding="utf-8") as f:
-        for _, line in lines:
+        for _, line in heapq.merge(decoded, failed, key=lambda t: t[0]):
             f.write(line + "\n")
-    return len(lines)
+            n += 1
+    return n
 
 
 def parquet_row(r: Record) -> dict:
@@ -154,7 +171,7 @@ def write_parquet(path: Path, records: Iterable[Record], rows_per_group: int = 4
 
 
 def write_outputs(
-    fmt: str, run_dir: Path, records: Sequence[Record], errors: Sequence[dict], model: str
+    fmt: str, run_dir: Path, records: Iterable[Record], errors: Sequence[dict], model: str
 ) -> None:
     """The extra file of ``run.output_format`` (jsonl: none, results.jsonl is it)."""
     if fmt == "openai":

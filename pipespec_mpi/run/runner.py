@@ -10,12 +10,13 @@ forwards run together. A replica's phases are separated by a barrier of its rank
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from pipespec_mpi.comm.bootstrap import World
+from pipespec_mpi.comm.bootstrap import World, mpi
 from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
@@ -39,6 +40,7 @@ from pipespec_mpi.run.jobs import (
     Job,
     JobKey,
     batch_sizes,
+    count_jobs,
     done_jobs,
     phases,
     plan_jobs,
@@ -81,7 +83,8 @@ class Runner:
         watchdog.close()
         loops = [setup.stage_loop(cfg, pl, loaded, ln, slot=s) for s, ln in enumerate(slot_links)]
         links = slot_links[0]
-        jobs = plan_jobs(cfg, loaded.prompts, pl, self._done())
+        done_keys = self._done()
+        total = count_jobs(cfg, loaded.n_prompts)
         hosts = [self.world.hosts[r] for r in pl.replica_ranks()]  # per stage of this replica
         collector = None
         if pl.is_last:
@@ -92,10 +95,10 @@ class Runner:
             collector = Collector(
                 assemble,
                 part=part_path(self.run_dir, pl.replica),
-                progress=progress_bar(cfg, pl, len(jobs)),
-                log_progress=Progress(pl.replica, len(jobs), cfg.run.progress_every_s),
+                progress=progress_bar(cfg, pl, total),
+                log_progress=Progress(pl.replica, total, cfg.run.progress_every_s),
             )
-        index = {job.seq: i for i, job in enumerate(jobs)}
+        index: dict[int, int] = {}  # job seq -> its place among the replica's jobs (faults.py)
 
         def start(job: Job) -> None:
             maybe_fail(self.world.rank, index[job.seq])
@@ -113,9 +116,30 @@ class Runner:
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
             )  # fmt: skip
 
-        done, left = self._decode(phases(jobs), loops, slot, links)
+        # A round of rows at a time (run/rows.py): plan its jobs, decode them, then every replica
+        # takes the next round together; a stop agreed by any replica ends the rounds.
+        done = skipped = seq = n_left = 0
+        while True:
+            loaded.feed.prepare()
+            self._barrier(loops, "the replicas to take the next round of rows")
+            if self.comm.allreduce(n_left, op=mpi().MAX):  # after the barrier: nobody spins here
+                break
+            prompts = loaded.feed.next()
+            if prompts is None:
+                break
+            first = seq == 0
+            jobs = plan_jobs(cfg, prompts, done_keys, warmups=first, first_seq=seq)
+            numbered = count_jobs(cfg, len(prompts), warmups=first)
+            seq += numbered
+            skipped += numbered - len(jobs)  # a resumed run's, done before
+            if collector is not None:
+                collector.skipped(numbered - len(jobs))
+            index.update({job.seq: len(index) + i for i, job in enumerate(jobs)})
+            n_done, n_left = self._decode(phases(jobs), loops, slot, links)
+            done += n_done
         if collector is not None:
             collector.close()
+        left = total - done - skipped  # not started: this round's and every later round's
         self._barrier(loops, "all replicas to finish")
         left = self.comm.allreduce(left if pl.is_last else 0)
         finished = self.comm.allreduce(done if pl.is_last else 0)
@@ -138,6 +162,8 @@ class Runner:
         for ln in slot_links:
             ln.close(cfg.run.stall_timeout_s)
         stop.close()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        log.info("peak RSS of this rank: %.0f MB (its finalize included)", peak)
         return exit_code(left, finished)
 
     def _decode(

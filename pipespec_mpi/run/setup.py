@@ -20,9 +20,10 @@ from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_send
 from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
-from pipespec_mpi.data.datasets import BadRow, DatasetError, shard
+from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.run.jobs import Prepared, Prompt, check_rows, tokenize_prompts
+from pipespec_mpi.run import rows
+from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.topology import Placement, device_for
@@ -69,7 +70,8 @@ class Loaded:
     threads: int
     cuda_devices: list[int]
     tokenizer: Any
-    prompts: list[Prompt]  # this replica's (rank 0 tokenizes the job's rows, deals them out)
+    feed: RowFeed  # this replica's prompts, a round at a time (run/rows.py)
+    n_prompts: int  # how many this replica decodes in all
     bad: list[BadRow]  # rank 0: the rows not decoded, and why (errors.jsonl); others: none
     row_error: Any  # DatasetError | None: the job stops on its rows (the same on every rank)
     sampled: bool  # some job of the job samples (its temperature, or a row's own)
@@ -80,8 +82,9 @@ class Loaded:
 
 def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog) -> Loaded:
     """Threads, GPUs and transport for this rank; the tokenizer (checked against every stage's);
-    the prompts; this stage's model (checked against the context and every stage's vocabulary).
-    Each phase runs under ``watchdog`` (run/startup.py)."""
+    this stage's model (checked against every stage's vocabulary); the rows, judged by rank 0
+    against the smallest context and fed a round at a time (run/rows.py). Each phase runs
+    under ``watchdog`` (run/startup.py)."""
     import torch
 
     from pipespec_mpi.gpu_monitor import GpuMonitor
@@ -98,7 +101,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         if transport == "nccl" and not torch.cuda.is_available():
             raise RuntimeError("transport.kind=nccl needs CUDA; use transport.kind=mpi or gloo on CPUs")
         with watchdog.phase(f"rendezvous ({transport})"):
-            init_torch_distributed(world, transport, cfg.transport.iface)
+            init_torch_distributed(world, transport, cfg.transport.iface, cfg.transport.port)
 
     with watchdog.phase("tokenizer"):
         tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
@@ -114,64 +117,23 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         context = smallest_context(cfg, pl, comm, model)
 
     with watchdog.phase("rows"):
-        rows = shared_rows(cfg, pl, comm, tokenizer, context)
+        found = rows.scan(cfg, comm, tokenizer, context)
         loaded = Loaded(
             transport=transport,
             threads=threads,
             cuda_devices=cuda_devices,
             tokenizer=tokenizer,
-            prompts=rows.prompts,
-            bad=rows.bad,
-            row_error=rows.error,
-            sampled=rows.sampled,
+            feed=rows.feed(cfg, comm, pl, tokenizer, context),
+            n_prompts=found.share(pl.replica, pl.n_replicas),
+            bad=found.bad,
+            row_error=found.error,
+            sampled=found.sampled,
             model=model,
             vocab=0,
             gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
         )
         loaded.vocab = agree_vocab(cfg, pl, comm, model, tokenizer, loaded.sampled)
     return loaded
-
-
-@dataclass
-class Rows:
-    """A rank's rows: its replica's prompts; on rank 0 every bad row; the same everywhere: the
-    job's verdict on them (run.on_error, ``check_rows``) and whether any row samples."""
-
-    prompts: list[Prompt]
-    bad: list[BadRow]
-    error: DatasetError | None
-    sampled: bool
-
-
-def shared_rows(cfg: AppConfig, pl: Placement, comm, tokenizer, context: tuple | None) -> Rows:
-    """Rank 0 reads and tokenizes the job's rows, sets aside those that do not fit ``context``
-    (``smallest_context``) and hands each rank its replica's share (the replicas deal the rows in
-    turn); a dataset that cannot be read is raised on every rank (reported once)."""
-    shares = err = None
-    if comm.Get_rank() == 0:
-        try:
-            prepared = fit_context(cfg, context, tokenize_prompts(cfg, tokenizer))
-            verdict = None
-            try:
-                check_rows(prepared.prompts, prepared.bad, cfg.run.on_error)
-            except DatasetError as e:
-                verdict = e
-            sampled = cfg.sampling.temperature > 0 or any(
-                (p.settings.temperature or 0) > 0 for p in prepared.prompts
-            )
-            n = pl.n_replicas
-            mine = [shard(prepared.prompts, r, n) for r in range(n)]
-            shares = [
-                Rows(mine[r // pl.n_stages], prepared.bad if r == 0 else [], verdict, sampled)
-                for r in range(comm.Get_size())
-            ]
-        except UserError as e:  # reported by rank 0, raised on every rank
-            err = e
-    err = comm.bcast(err, root=0)
-    if err is not None:
-        err.collective = True
-        raise err
-    return comm.scatter(shares, root=0)
 
 
 def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
@@ -193,23 +155,6 @@ def smallest_context(cfg: AppConfig, pl: Placement, comm, model) -> tuple | None
     mine = (getattr(model, "max_context", None), pl.stage, cfg.hierarchy.stages[pl.stage].name)
     contexts = [got for got in comm.allgather(mine) if got[0] is not None]
     return min(contexts) if contexts else None
-
-
-def fit_context(cfg: AppConfig, context: tuple | None, prepared: Prepared) -> Prepared:
-    """The prompts that fit ``context`` with their token budget; the others become bad rows."""
-    if context is None:
-        return prepared
-    limit, stage, name = context
-    keep, bad = [], list(prepared.bad)
-    for p in prepared.prompts:
-        budget = p.max_new_tokens(cfg.decode.max_new_tokens)
-        if len(p.ids) + budget > limit:
-            why = (f"the prompt ({len(p.ids)} tokens) plus max_tokens ({budget}) is more than the "
-                   f"context of {limit} tokens of stage {stage} ({name})")  # fmt: skip
-            bad.append(BadRow(p.position, "context check", why, p.id))
-        else:
-            keep.append(p)
-    return Prepared(keep, sorted(bad, key=lambda b: b.position))
 
 
 def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer, sampled: bool) -> int:

@@ -183,8 +183,9 @@ SBATCH = ["--time=5", "--signal=B:USR2@30"]
 # A job with USR2 110 s before its limit, whose limit the test brings to 60-120 s away once it is
 # decoding (scontrol update TimeLimit): Slurm's own time-limit signal then comes within ~40 s
 # (it checks every 30 s), mid-run whatever the machine's speed. It stops, requeues (Slurm holds a
-# requeued job for two minutes) and resumes. 500 prompts: ~3 min of decoding with the lean
-# forward on a 2-core EPYC (200 prompts, 87 s, once finished before the signal came).
+# requeued job for cred_expire, 30 s in slurm/local/slurm.conf.in) and resumes. 500 prompts: ~3
+# min of decoding with the lean forward on a 2-core EPYC (200 prompts, 87 s, once finished
+# before the signal came).
 WALLTIME_PROMPTS = 500
 WALLTIME_APP = [
     "hierarchy=tiny", "dataset=synthetic", f"dataset.n_prompts={WALLTIME_PROMPTS}",
@@ -488,7 +489,7 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(
             phase = "limit near"
         if phase == "limit near" and records and records[0].get("JobState") == "PENDING":
             # requeued: give the resumed run room to finish (starting it at once instead of after
-            # Slurm's two-minute hold, scontrol update StartTime=now, made the requeued job fail)
+            # Slurm's hold, scontrol update StartTime=now, made the requeued job fail)
             run(["scontrol", "update", f"JobId={job.job_id}", "TimeLimit=10"], timeout=15)
             phase = "requeued"
         if records:

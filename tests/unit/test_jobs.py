@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.data.requests import RowSettings
-from pipespec_mpi.run.jobs import Prompt, phases, plan_jobs
-from pipespec_mpi.topology import place
+from pipespec_mpi.run.jobs import Prompt, count_jobs, phases, plan_jobs
 
 PROMPTS = [Prompt(f"p{i}", [1, 2 + i], i) for i in range(5)]
 
@@ -13,7 +12,7 @@ PROMPTS = [Prompt(f"p{i}", [1, 2 + i], i) for i in range(5)]
 def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_size():
     cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]",
                           "run.batch_sizes=[1,2]"])  # fmt: skip
-    jobs = plan_jobs(cfg, PROMPTS, place(2, 3, 3), set())
+    jobs = plan_jobs(cfg, PROMPTS, set())
     groups = phases(jobs)
     assert [(g[0].phase, g[0].batch_size, {j.method for j in g}, len(g)) for g in groups] == [
         (0, 1, {"ar", "pipespec"}, 2),  # warm-up
@@ -28,15 +27,33 @@ def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_si
 
 def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size():
     cfg = compose_config(["hierarchy=tiny", "method=sd", "decode.batch_size=3"])
-    jobs = plan_jobs(cfg, PROMPTS, place(0, 3, 3), set())
+    jobs = plan_jobs(cfg, PROMPTS, set())
     assert {(j.method, j.batch_size, j.phase) for j in jobs} == {("sd", 3, 1)}
     assert [j.slot for j in phases(jobs)[0]] == [0, 1, 2, 0, 1]
     done = {("p0", "sd", 0, 3), ("p1", "sd", 0, 1)}  # p1 was decoded at another batch size
-    assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, place(0, 3, 3), done)] == ["p1", "p2", "p3", "p4"]
+    assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, done)] == ["p1", "p2", "p3", "p4"]
 
 
 def test_a_rows_own_budget_rides_with_each_of_its_jobs():
     cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]"])
     prompts = [Prompt("short", [1, 2], 0, RowSettings(max_tokens=3)), Prompt("plain", [1, 3], 1)]
-    jobs = plan_jobs(cfg, prompts, place(0, 3, 3), set())
+    jobs = plan_jobs(cfg, prompts, set())
     assert {(j.prompt_id, j.max_new_tokens) for j in jobs} == {("short", 3), ("plain", None)}
+
+
+def test_rounds_number_their_jobs_as_one_plan_would_and_the_count_is_known_before():
+    """A job plans a round of rows at a time (run/rows.py): numbering continues across rounds,
+    warm-ups come from the first round only, and ``count_jobs`` (the replica's total, for the
+    progress line) equals what the rounds plan."""
+    for over in (["method=pipespec"], ["run.mode=benchmark", "run.methods=[ar,sd]", "run.batch_sizes=[1,2]",
+                                       "sampling.num_samples=2", "sampling.temperature=0.7"]):  # fmt: skip
+        cfg = compose_config(["hierarchy=tiny", *over])
+        whole = plan_jobs(cfg, PROMPTS, set())
+        assert len(whole) == count_jobs(cfg, len(PROMPTS))
+        seq, rounds = 0, []
+        for chunk in (PROMPTS[:2], PROMPTS[2:]):
+            rounds += plan_jobs(cfg, chunk, set(), warmups=seq == 0, first_seq=seq)
+            seq += count_jobs(cfg, len(chunk), warmups=seq == 0)
+        assert len({j.seq for j in rounds}) == len(rounds) == count_jobs(cfg, len(PROMPTS))
+        assert sum(j.warmup for j in rounds) == sum(j.warmup for j in whole)
+        assert seq == max(j.seq for j in rounds)

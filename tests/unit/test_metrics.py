@@ -1,18 +1,24 @@
 import random
 import statistics
+import weakref
+from collections import Counter
 
 import pytest
 
 from pipespec_mpi.metrics import (
     PERCENTILES,
     acceptance,
+    acceptance_of_counts,
     benchmark_table,
+    decoding_wall_s,
+    group_key,
     latency_percentiles_ms,
     summarize,
     token_latencies,
 )
-from pipespec_mpi.records import Record
+from pipespec_mpi.records import PairAcceptance, Record
 from pipespec_mpi.stage.stats import StageStats
+from tests.unit.test_records import make_record
 
 
 def test_acceptance_on_a_known_trace():
@@ -158,3 +164,117 @@ def test_proposals_and_tokens_per_forward_and_the_drafter_per_source():
         "sequence": {"proposals": 4, "proposed": 8, "accepted": 6, "mean_accepted": 1.5},
     }
     assert s[1].drafter == {}  # a model stage keeps no drafter counters
+
+
+def _acceptance_of_the_whole_trace(trace):
+    """``acceptance`` as it was computed before the counts: over the trace itself."""
+    verifs, accepted, proposed = len(trace), sum(a for _, a in trace), sum(n for n, _ in trace)
+    longest = max((n for n, _ in trace), default=0)
+    per_pos = []
+    for j in range(longest):
+        eligible = [a for n, a in trace if n > j]
+        per_pos.append(sum(1 for a in eligible if a > j) / len(eligible) if eligible else 0.0)
+    hist = [0] * (longest + 1)
+    for _, a in trace:
+        hist[a] += 1
+    return PairAcceptance(
+        verifications=verifs, proposed=proposed, accepted=accepted,
+        mean_accepted=accepted / verifs if verifs else 0.0,
+        mean_acceptance_length=1 + accepted / verifs if verifs else 0.0,
+        acceptance_rate=accepted / proposed if proposed else 0.0,
+        per_position_acceptance=per_pos, accepted_histogram=hist,
+    )  # fmt: skip
+
+
+def test_acceptance_from_counts_is_the_acceptance_of_the_trace():
+    rng = random.Random(7)
+    for _ in range(200):
+        window = rng.randint(1, 8)
+        trace = [[n, rng.randint(0, n)] for n in (rng.randint(1, window) for _ in range(rng.randint(0, 300)))]
+        want = _acceptance_of_the_whole_trace(trace)
+        assert acceptance(trace) == want  # exact: the same ints, the same divisions
+        assert acceptance_of_counts(Counter((n, a) for n, a in trace)) == want
+    assert acceptance_of_counts(Counter()) == _acceptance_of_the_whole_trace([])
+    assert acceptance_of_counts(Counter({(3, 1): 2, (2, 2): 0})) == acceptance([[3, 1], [3, 1]])
+
+
+_MIX = [(m, b, rep, t) for m in ("ar", "pipespec") for b in (1, 4) for rep in (0, 1) for t in (0.0, 0.7)]
+
+
+def _mixed_records(seed=0, n=80):
+    """Records of AR and PipeSpec at batch 1 and 4 on two replicas, greedy and sampled (every
+    combination in turn), warm-ups among them, with random walls, start times, commit times and
+    verification traces."""
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n):
+        method, b, replica, temp = _MIX[i % len(_MIX)]
+        r = make_record(
+            method, f"p{rng.randint(0, 9)}", rng.uniform(0.05, 2.0), rng.randint(1, 4), replica=replica,
+            batch_size=b, slot=rng.randrange(b), warmup=i < len(_MIX) and rng.random() < 0.3,
+            temperature=temp, sample_idx=rng.randint(0, 2) if temp else 0, seq=i, ttft_s=rng.uniform(0, 0.2),
+        )  # fmt: skip
+        last = r.stages[-1]
+        last.t0_perf_counter = rng.uniform(0, 50)
+        times = sorted(rng.uniform(0, r.wall_s) for _ in range(r.n_new_tokens))
+        last.commit_times = [[t, k + 1] for k, t in enumerate(times)]
+        proposed = [rng.randint(1, 5) for _ in range(rng.randint(0, 9))]
+        last.verify_trace = [[k, rng.randint(0, k)] for k in proposed]
+        for st in r.stages:
+            st.busy_s, st.discarded_s, st.threads = rng.uniform(0, r.wall_s), rng.uniform(0, 0.1), 2
+            st.gpus = [{"device": d, "energy_j": rng.uniform(0, 9)} for d in range(rng.randint(0, 2))]
+        recs.append(r)
+    return recs
+
+
+def _json(results):
+    return {k: v.to_json() for k, v in results.items()}
+
+
+def test_summary_and_benchmark_over_a_generator_are_those_over_the_list():
+    recs = _mixed_records()
+    measured = [r for r in recs if not r.warmup]
+    assert any(r.warmup for r in recs)
+    assert {(r.method, r.batch_size, r.replica, r.temperature) for r in measured} == set(_MIX)
+    summary = summarize(recs)
+    assert set(summary) == {"ar", "pipespec", "ar@b4", "pipespec@b4"}
+    assert _json(summarize(r for r in recs)) == _json(summary)
+    methods = ["ar", "sd", "pipespec"]
+    bench = benchmark_table(recs, methods)
+    assert list(bench) == ["ar", "pipespec", "ar@b4", "pipespec@b4"]
+    assert _json(benchmark_table((r for r in recs), methods)) == _json(bench)
+    # the same numbers as the per-record definitions over the group's records as a list
+    for key, s in summary.items():
+        mine = [r for r in measured if group_key(r.method, r.batch_size) == key]
+        assert s.wall_s == decoding_wall_s(mine)
+        if s.batch_size == 1:
+            assert s.wall_s == sum(r.wall_s for r in mine)
+        assert s.acceptance["0->1"] == acceptance([t for r in mine for t in r.stages[1].verify_trace])
+        lat = [x for r in mine for x in token_latencies(r.stages[-1].commit_times)]
+        assert s.token_latency_ms == latency_percentiles_ms(lat)
+        assert s.ttft_s_mean == statistics.fmean(r.ttft_s for r in mine)
+        busy = [sum(r.stages[k].busy_s + r.stages[k].prefill_s for r in mine) / s.wall_s for k in (0, 1)]
+        assert [st.busy_fraction for st in s.stages] == busy
+
+
+def test_summarize_keeps_no_record():
+    """summarize and benchmark_table hold a record only while they consume it: when the next one
+    is read, every earlier one is gone (as for a generator reading results.jsonl)."""
+    lines = [r.to_json() for r in _mixed_records(seed=1, n=60)]
+    live: set[int] = set()
+
+    def read():
+        for i, line in enumerate(lines):
+            assert live <= {i - 1}, f"records {sorted(live)} alive when reading record {i}"
+            r = Record.from_json(line)
+            live.add(i)
+            weakref.finalize(r, live.discard, i)
+            yield r
+            del r
+
+    from_list = [Record.from_json(line) for line in lines]
+    assert _json(summarize(read())) == _json(summarize(from_list))
+    assert not live
+    methods = ["ar", "pipespec"]
+    assert _json(benchmark_table(read(), methods)) == _json(benchmark_table(from_list, methods))
+    assert not live
