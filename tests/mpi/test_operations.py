@@ -55,7 +55,7 @@ def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
     args = [*TINY, "dataset.n_prompts=6", "decode.max_new_tokens=200", "method=pipespec"]
     full = {r["prompt_id"]: r["output_ids"] for r in launch_ok(3, args, tmp_path / "full")}
     run_dir = tmp_path / "killed"
-    proc = _run_bg(args, run_dir)
+    proc = _run_bg([*args, "dataset.round_rows=4"], run_dir)  # the kill comes in the first round
     part = run_dir / "parts" / "replica-0.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and (not part.exists() or len(part.read_text().splitlines()) < 2):
@@ -66,7 +66,7 @@ def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
     assert 2 <= done_before < 6, "the kill came too late to test resuming"
     with open(part, "a") as f:  # as if the kill had come in the middle of writing a record
         f.write('{"prompt_id": "torn", "replica": 0, "meth')
-    resumed = launch_ok(3, [*args, "run.resume=true"], run_dir)
+    resumed = launch_ok(3, [*args, "run.resume=true", "dataset.round_rows=2"], run_dir)  # over rounds
     got = {r["prompt_id"]: r["output_ids"] for r in resumed}
     assert got == full
     assert len(resumed) == 6  # each prompt once: the finished ones were skipped, not redone

@@ -23,7 +23,9 @@ def test_a_parquet_and_an_openai_batch_file_through_two_replicas(tmp_path):
     rows = write_rows(tmp_path / "rows")
     common = ["hierarchy=tiny2", "dataset=files", f"dataset.path={tmp_path / 'rows'}",
               "decode.max_new_tokens=12", "sampling.coupling=gumbel"]  # fmt: skip
-    records = launch_ok(4, [*common, "run.output_format=parquet"], tmp_path / "spec", timeout=300)
+    # rounds of 2 rows per replica (run/rows.py): the 8 good rows reach the replicas in 2 rounds
+    records = launch_ok(4, [*common, "run.output_format=parquet", "dataset.round_rows=2"], tmp_path / "spec",
+                        timeout=300)  # fmt: skip
     results, errors = answered(tmp_path / "spec")
     assert sorted(results + errors) == sorted(rows), (results, errors)  # every row once
     assert sorted(errors) == ["9", "req-bad"]
