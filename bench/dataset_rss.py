@@ -1,6 +1,7 @@
 """Peak RSS per rank of a dataset job, against the size of its file: it must not grow with it.
 
     .venv/bin/python bench/dataset_rss.py [--rows 10000 100000] [--ranks 3] [--tokens 2]
+        [--hierarchy tiny] [--method pipespec]
 
 For each row count, writes a JSONL file of that many synthetic rows (``dataset=synthetic``'s
 word salad, one ``prompt`` per row, every 1000th row malformed so that errors.jsonl has lines
@@ -41,10 +42,10 @@ def write_rows(path: Path, n: int, seed: int = 0) -> None:
                 )
 
 
-def run_job(rows: Path, run_dir: Path, ranks: int, tokens: int) -> float:
+def run_job(rows: Path, run_dir: Path, a: argparse.Namespace) -> float:
     mpirun = str(Path(sys.executable).parent / "mpirun")
-    cmd = [mpirun, "-n", str(ranks), sys.executable, "-m", "pipespec_mpi",
-           "hierarchy=tiny", "dataset=files", f"dataset.path={rows}", f"decode.max_new_tokens={tokens}",
+    cmd = [mpirun, "-n", str(a.ranks), sys.executable, "-m", "pipespec_mpi", f"hierarchy={a.hierarchy}",
+           f"method={a.method}", "dataset=files", f"dataset.path={rows}", f"decode.max_new_tokens={a.tokens}",
            "run.output_format=openai", "run.progress=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     t0 = time.perf_counter()
@@ -67,13 +68,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[10000, 100000])
     ap.add_argument("--ranks", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2)
+    ap.add_argument("--hierarchy", default="tiny")
+    ap.add_argument("--method", default="pipespec")
     a = ap.parse_args()
     summary = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in a.rows:
             rows, run_dir = Path(tmp) / f"rows-{n}.jsonl", Path(tmp) / f"run-{n}"
             write_rows(rows, n)
-            wall = run_job(rows, run_dir, a.ranks, a.tokens)
+            wall = run_job(rows, run_dir, a)
             answered = len((run_dir / "results.openai.jsonl").read_text().splitlines())
             rss = peaks(run_dir)
             print(f"{n:>8} rows ({rows.stat().st_size / 1e6:.1f} MB): peak RSS per rank (MB) "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the environment and runs the whole test suite (what CI runs: .ci/run).
+# Sets up the environment and runs the test suite (what CI runs: .ci/run); --long adds the long
+# tier (tests marked long: tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -12,6 +12,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.executable).parent / "mpirun"
+LONG = "long tier (CI's 30 minutes hold the rest): bash scripts/test.sh --long runs it"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", help="also run the tests marked long (" + LONG + ")")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` (more cases of what CI already runs, and the Slurm time-limit
+    test) are skipped with the reason unless ``--long``."""
+    if config.getoption("--long"):
+        return
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=LONG))
 
 
 def launch(

@@ -48,6 +48,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert outputs(second) == ar
 
 
+@pytest.mark.long
 def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, ar):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto")
@@ -79,6 +80,7 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path, ar):
         assert f"with {chosen['method']} at batch {chosen['batch_size']}" in plan["reason"]
 
 
+@pytest.mark.long
 def test_auto_weighs_a_suffix_drafter_among_its_candidates(tmp_path, ar):
     """tiny_suffix's stages as candidates: the suffix drafter is measured (its proposals along the
     target's path, drafting from the earlier calibration prompts' outputs too), every pipeline it

@@ -95,6 +95,7 @@ def test_slots_links_stay_apart_under_leviathan_sampling(tmp_path, transport):
     assert sum(r["stages"][-1]["tokens_accepted"] for r in recs) > 0
 
 
+@pytest.mark.long
 def test_the_embedded_model_batched_is_lossless(tmp_path):
     """The default hierarchy (lookup -> int8 copy -> SmolLM2): batched rows are bitwise their own
     forward, so ar, sd and pipespec at batch 3 equal AR at batch 1 exactly."""

@@ -52,7 +52,12 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize(
-    "how,n,extra", [("signal", 4, []), ("file", 2, []), ("file", 2, ["run.batch_sizes=[1,3]"])]
+    "how,n,extra",
+    [
+        ("signal", 4, []),
+        pytest.param("file", 2, [], marks=pytest.mark.long),
+        ("file", 2, ["run.batch_sizes=[1,3]"]),
+    ],
 )
 def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n, extra):
     """(With a batch sweep: the stop may come in the batched phase, where each slot votes at its

@@ -25,7 +25,8 @@ CASES = [
     (2, "tiny2", 0, "gloo", 48, "[ar,pipespec]"),
     (2, "tiny2", 4, "mpi", 33, "[ar,sd,pipespec]"),
     (4, "tiny4", 2, "mpi", 48, "[ar,sd,pipespec]"),
-    (3, "tiny_suffix", 0, "mpi", 48, "[ar,sd,pipespec]"),  # stage 0: the model-free suffix drafter
+    # stage 0: the model-free suffix drafter
+    pytest.param(3, "tiny_suffix", 0, "mpi", 48, "[ar,sd,pipespec]", marks=pytest.mark.long),
     (3, "tiny_suffix", 2, "gloo", 40, "[ar,sd,pipespec]"),
 ]
 
@@ -130,7 +131,9 @@ def test_rma_epochs_window_is_lossless_too(tmp_path):
     assert sum(r["stages"][-1]["rollbacks_signalled"] for r in recs if r["method"] == "pipespec") > 0
 
 
-@pytest.mark.parametrize("attempt", range(3))
+@pytest.mark.parametrize(
+    "attempt", [0, pytest.param(1, marks=pytest.mark.long), pytest.param(2, marks=pytest.mark.long)]
+)
 def test_the_slurm_sweep_configuration_never_stalls(tmp_path, attempt):
     """The job that once stalled in the Slurm sweep test (tiny, lookahead 2, max_run_ahead 8, 16
     tokens; the explorer's ``slurm-sweep`` preset), many prompt starts in a row: a stall would end

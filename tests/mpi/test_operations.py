@@ -98,9 +98,19 @@ def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
     "n,overrides,needle",
     [
         (4, ["hierarchy=tiny"], "world size 4 is not a multiple of the hierarchy's 3 stages"),
-        (3, ["hierarchy=tiny", "decode.lookahead=-2", "decode.max_new_tokens=999999"], "decode.lookahead=-2"),
-        (3, ["hierarchy=tiny", "+run.typo_key=1"], "typo_key"),
-        (3, ["hierarchy=tiny", "dataset=jsonl", "dataset.path=/nonexistent.jsonl"], "no such file"),
+        pytest.param(
+            3,
+            ["hierarchy=tiny", "decode.lookahead=-2", "decode.max_new_tokens=999999"],
+            "decode.lookahead=-2",
+            marks=pytest.mark.long,
+        ),
+        pytest.param(3, ["hierarchy=tiny", "+run.typo_key=1"], "typo_key", marks=pytest.mark.long),
+        pytest.param(
+            3,
+            ["hierarchy=tiny", "dataset=jsonl", "dataset.path=/nonexistent.jsonl"],
+            "no such file",
+            marks=pytest.mark.long,
+        ),
         (3, ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=4090"], "context of 4096"),
         (2, ["hierarchy=llama3_8b_70b"], "not available offline"),
         (
@@ -108,7 +118,12 @@ def test_a_failing_rank_ends_the_job_quickly(tmp_path, fault):
             ["hierarchy=tiny", "hierarchy.choose=true", "auto.replicas=2"],
             "auto.replicas=2 does not divide",
         ),
-        (3, ["hierarchy=tiny", "hierarchy.choose=true", "auto.margin=-1"], "auto.margin=-1"),
+        pytest.param(
+            3,
+            ["hierarchy=tiny", "hierarchy.choose=true", "auto.margin=-1"],
+            "auto.margin=-1",
+            marks=pytest.mark.long,
+        ),
     ],
 )
 def test_bad_input_fails_fast_with_one_clear_error(tmp_path, n, overrides, needle):

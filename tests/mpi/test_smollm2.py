@@ -10,7 +10,7 @@ from conftest import launch_ok, outputs_by_method
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("dataset", ["humaneval", "news"])
+@pytest.mark.parametrize("dataset", ["humaneval", pytest.param("news", marks=pytest.mark.long)])
 def test_default_hierarchy_is_lossless_and_matches_generate(tmp_path, dataset):
     recs = launch_ok(
         3,

@@ -89,7 +89,11 @@ def test_the_wire_delays_every_packet(bed, tmp_path):
 
 @pytest.mark.parametrize(
     "transport,window,expect_window",
-    [("mpi", "auto", "push"), ("gloo", "auto", "push"), ("mpi", "rma", "rma")],
+    [
+        ("mpi", "auto", "push"),
+        pytest.param("gloo", "auto", "push", marks=pytest.mark.long),
+        pytest.param("mpi", "rma", "rma", marks=pytest.mark.long),
+    ],  # fmt: skip
 )
 def test_a_pipeline_across_hosts_is_lossless(bed, tmp_path, transport, window, expect_window):
     """Stages 0-1 on one host, stage 2 on another: the epochs cross the network (pushed headers
@@ -112,6 +116,7 @@ def test_a_pipeline_across_hosts_is_lossless(bed, tmp_path, transport, window, e
     assert sum(r["stages"][-1]["tokens_accepted"] for r in ps) > 0
 
 
+@pytest.mark.long
 def test_every_stage_on_its_own_host_with_leviathan_sampling(bed, tmp_path):
     """Three hosts, one stage each: proposals carry their distributions across both links."""
     recs = app(
@@ -128,6 +133,7 @@ def test_every_stage_on_its_own_host_with_leviathan_sampling(bed, tmp_path):
         assert (r["finish_reason"], r["n_new_tokens"] == 24) in {("length", True), ("eos", False)}, r
 
 
+@pytest.mark.long
 def test_replicas_on_different_hosts_share_the_prompts(bed, tmp_path):
     """Two replicas, one per host: each pipeline is node-local (shared-memory window), the
     prompts are split between the hosts, and rank 0 merges every replica's results."""

@@ -255,7 +255,7 @@ class Sweep:
 
 
 @pytest.fixture(scope="module")
-def jobs(slurm, tmp_path_factory):
+def jobs(slurm, tmp_path_factory, request):
     """Submit every job of this module at once; cancel what is left at the end."""
     tmp = tmp_path_factory.mktemp("slurm")
     submitted: dict[str, Job | Sweep] = {}
@@ -284,11 +284,12 @@ def jobs(slurm, tmp_path_factory):
             [*SBATCH, "--ntasks-per-node=6", "--gpus-per-node=6", "slurm/pipespec.sbatch", *APP],
             tmp / "replicas-%j.out",
         )
-        submitted["walltime"] = sbatch(
-            ["--time=10", "--signal=B:USR2@110", "slurm/pipespec.sbatch", *WALLTIME_APP],
-            tmp / "walltime-%j.out",
-            env=job_env(PIPESPEC_MAX_RESTARTS="10"),
-        )
+        if request.config.getoption("--long"):  # its test is in the long tier
+            submitted["walltime"] = sbatch(
+                ["--time=10", "--signal=B:USR2@110", "slurm/pipespec.sbatch", *WALLTIME_APP],
+                tmp / "walltime-%j.out",
+                env=job_env(PIPESPEC_MAX_RESTARTS="10"),
+            )
         submitted["singletons"] = sbatch(
             [*SBATCH, "slurm/pipespec.sbatch", *APP],
             tmp / "singletons-%j.out",
@@ -469,6 +470,7 @@ def test_submitit_sweep_runs_each_job_as_one_mpi_world(jobs):
     assert len(task_logs) == 6, task_logs
 
 
+@pytest.mark.long
 def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(jobs):
     """USR2 before the limit: the job stops after the prompts in flight, exits 75, requeues itself
     and resumes (run.resume=true) in the same directory until every prompt is done; the results
