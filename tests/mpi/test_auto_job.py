@@ -60,6 +60,7 @@ def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, 
     assert "rank 1 is spare" in logs and "rank 2 is spare" in logs
 
 
+@pytest.mark.long
 def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path, ar):
     """auto.batch_sizes: the plan weighs every method at batch 1 and 3 by throughput, the job
     decodes at the chosen size, losslessly, and plan.json says which and why."""

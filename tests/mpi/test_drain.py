@@ -56,7 +56,7 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     [
         ("signal", 4, []),
         pytest.param("file", 2, [], marks=pytest.mark.long),
-        ("file", 2, ["run.batch_sizes=[1,3]"]),
+        pytest.param("file", 2, ["run.batch_sizes=[1,3]"], marks=pytest.mark.long),
     ],
 )
 def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n, extra):

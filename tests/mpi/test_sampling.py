@@ -64,6 +64,7 @@ def test_pipespec_samples_follow_the_target_distribution(
     assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: samples do not follow the target"
 
 
+@pytest.mark.long
 def test_gumbel_sampling_is_reproducible_and_identical_across_methods(tmp_path):
     args = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=2", "decode.max_new_tokens=20",
             "run.mode=benchmark", "decode.lookahead=2", "sampling.temperature=0.8", "sampling.top_k=20",
