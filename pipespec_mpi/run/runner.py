@@ -56,6 +56,12 @@ from pipespec_mpi.topology import place
 
 log = logging.getLogger("pipespec_mpi")
 
+# How long the other ranks wait for rank 0's finalize (run/finalize.py). It reads every record back
+# and writes every output file: a 100,000-row job's took over the 120 s stall limit beside other
+# work, and the wait for it ended that job. It is not the protocol (a rank 0 that fails there
+# aborts the job at once), so it gets an hour, not run.stall_timeout_s.
+FINALIZE_WAIT_S = 3600.0
+
 
 class Runner:
     def __init__(self, cfg: AppConfig, run_dir: Path, world: World) -> None:
@@ -156,7 +162,9 @@ class Runner:
                         " a time-limit signal needs a lead time shorter than the job's limit)"
                     )
                 )
-        self._barrier(loops, "rank 0 to write the summary")
+        self._barrier(
+            loops, "rank 0 to write the summary", timeout_s=max(cfg.run.stall_timeout_s, FINALIZE_WAIT_S)
+        )
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
         for ln in slot_links:
@@ -211,9 +219,10 @@ class Runner:
             raise err
         return done or set()
 
-    def _barrier(self, loops: list[StageLoop], what: str, comm=None) -> None:
+    def _barrier(self, loops: list[StageLoop], what: str, comm=None, timeout_s: float | None = None) -> None:
         """A barrier of ``comm`` (the world's by default), waited for without spinning, taking in
-        proposals (kept for their prompt) and beating, on every slot."""
+        proposals (kept for their prompt) and beating, on every slot; a StallError after
+        ``timeout_s`` (run.stall_timeout_s by default)."""
         req = (comm or self.comm).Ibarrier()
 
         def passed() -> bool:
@@ -221,7 +230,7 @@ class Runner:
                 loop.pump()
             return req.Test()
 
-        wait_until(passed, self.cfg.run.stall_timeout_s, what)
+        wait_until(passed, timeout_s or self.cfg.run.stall_timeout_s, what)
 
     def _culprits(self, links: setup.Links) -> str:
         """Which peers of this replica stopped answering, judged by their heartbeats."""
