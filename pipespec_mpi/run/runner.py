@@ -137,16 +137,17 @@ class Runner:
             jobs = plan_jobs(cfg, prompts, done_keys, warmups=first, first_seq=seq)
             numbered = count_jobs(cfg, len(prompts), warmups=first)
             seq += numbered
-            skipped += numbered - len(jobs)  # a resumed run's, done before
+            earlier = numbered - len(jobs)  # a resumed run's, done before
+            skipped += earlier
             if collector is not None:
-                collector.skipped(numbered - len(jobs))
+                collector.skipped(earlier)
             index.update({job.seq: len(index) + i for i, job in enumerate(jobs)})
             n_done, n_left = self._decode(phases(jobs), loops, slot, links)
             done += n_done
         if collector is not None:
             collector.close()
+        # every rank left the rounds after their barrier: all replicas have finished
         left = total - done - skipped  # not started: this round's and every later round's
-        self._barrier(loops, "all replicas to finish")
         left = self.comm.allreduce(left if pl.is_last else 0)
         finished = self.comm.allreduce(done if pl.is_last else 0)
         if self.world.rank == 0:
