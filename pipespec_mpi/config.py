@@ -31,6 +31,7 @@ from pipespec_mpi.errors import UserError
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # what ``python -m pipespec_mpi`` composes
 
 METHODS = ("ar", "sd", "pipespec")
+POLICIES = ("static", "adaptive")
 MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
 STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup", "suffix")
@@ -163,6 +164,15 @@ class DecodeConfig:
     # forwards with a proposal from 40% to 70% but not the speed (1.67x AR against 1.72x): there
     # a verification of the longer drafts cost 1.3x an own step (docs/performance.md)
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
+    policy: str = "static"  # PipeSpec's decisions: static (the fixed lookahead and bounds above,
+    # the paper's rule) | adaptive (speculative/goodput.py: each verifier verifies, waits or steps on
+    # its own by expected tokens per second, from acceptance, forward costs and delivery rates
+    # measured in the run; each drafter stops where its tokens would more likely be thrown away;
+    # the fixed settings above stay as bounds). SD keeps its fixed window under either
+    draft_survival: float = 0.5  # adaptive: a stage drafts d tokens ahead of its verifier only while
+    # the estimated chance that such a token is kept is at least this (0: up to max_run_ahead)
+    accept_prior: float = 0.6  # adaptive: each draft position's acceptance before it was observed
+    estimate_rate: float = 0.1  # adaptive: the weight of a new observation in every running estimate
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
     # its share of the replica's prompts, one after another; the forwards of the slots that have
     # one run together (the weights read once for all rows)
@@ -487,6 +497,15 @@ def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
                  f"{d.lookahead}, decode.sd_window={d.sd_window})")  # fmt: skip
     if d.batch_verify_rows is not None and (not _int(d.batch_verify_rows) or d.batch_verify_rows < 2):
         p.append(f"decode.batch_verify_rows={d.batch_verify_rows}: must be null or an integer >= 2")
+    if d.policy not in POLICIES:
+        p.append(f"decode.policy={d.policy!r}: must be one of {', '.join(POLICIES)}")
+    for key in ("draft_survival", "accept_prior"):
+        v = getattr(d, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            p.append(f"decode.{key}={v!r}: must be a number in 0..1")
+    v = d.estimate_rate
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        p.append(f"decode.estimate_rate={v!r}: must be a number in (0, 1]")
     if not _int(d.batch_size) or not 1 <= d.batch_size <= 64:
         p.append(f"decode.batch_size={d.batch_size}: must be an integer in 1..64")
     if sd_needed and d.sd_window is None and d.lookahead == 0:

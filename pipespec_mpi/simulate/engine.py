@@ -267,7 +267,10 @@ class Engine:
                 self.next_run[i] += rng.choice(draws) if draws else self.profiles[i].overhead_s
             if step is not Step.WAITING:  # again at once after progress, as a rank's driver does
                 self.wake(i, self.next_run[i])
-            # waiting: asleep until something it can see changes
+            else:  # asleep until something it can see changes, or its policy wants to look again
+                rechecks = [n.loop.recheck_at for n in self.nodes[i::k] if n.loop.recheck_at is not None]
+                if rechecks:
+                    self.wake(i, max(min(rechecks), clock.now()))
         if end_t is None:
             state = {
                 n.i: (len(n.loop.out), len(n.loop.inbox.tokens), n.outcome is not None) for n in self.nodes

@@ -44,6 +44,7 @@ from pipespec_mpi.config import DecodeConfig, SamplingConfig, validate_decode
 from pipespec_mpi.models.suffix import SuffixDrafter
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
+from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates
 from pipespec_mpi.speculative.sampling import Sampler, mix
 from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
 from pipespec_mpi.stage.batch import BatchedStage, ScoreBatch, score_alone
@@ -59,7 +60,12 @@ RULES = ("greedy", "gumbel", "leviathan")
 # "-suffix": stage 0 is the real suffix drafter (models/suffix.py; a batched stage's slots share its
 # store) and whether its verifier waits for it (decode.wait_for_drafter) is drawn; families of
 # their own, so that every seed of the older families keeps its scenario
-FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES)
+# "-adaptive": PipeSpec under decode.policy=adaptive (speculative/goodput.py), its estimates fed by
+# the explorer's tick clock, so that waits, cut verifications and held drafters follow the schedule;
+# slots, the suffix drafter, budgets and the policy's own settings drawn apart
+FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES) + tuple(
+    f"pipespec-{r}-adaptive" for r in RULES
+)
 EOS = 0
 IDLE_TICKS = 40  # waiting steps in a row before the scheduler checks for a stall
 FAIR_ROUNDS = 3  # rounds of every stage with full information that must show some progress
@@ -99,6 +105,9 @@ class Scenario:
     # per prompt: its own token budget (a row's max_tokens), None for decode.max_new_tokens
     # (drawn in the "-batch" and "-suffix" families only, apart from every other field)
     budgets: tuple[int | None, ...] = ()
+    # "-adaptive" families: the adaptive policy reads estimates that are anything at every decision
+    # (ChaosEstimates), so that every order of the decisions it can take is explored
+    chaos: bool = False
 
     def budget(self, seq: int) -> int:
         """Prompt ``seq``'s token budget (1-based, as the jobs are numbered)."""
@@ -176,7 +185,20 @@ class Scenario:
             sc = replace(sc, lookup=True, suffix=True)
             if "decode" not in fixed:
                 sc = replace(sc, decode=replace(sc.decode, wait_for_drafter=dr.random() < 0.7))
-        if family.endswith(("-batch", "-suffix")):
+        if family.endswith("-adaptive"):
+            ad = random.Random(f"adaptive:{family}:{seed}")
+            if ad.random() < 0.4:
+                slots = ad.randint(2, 4)
+                sc = replace(sc, slots=slots, n_prompts=ad.randint(slots, 2 * slots + 1))
+            if ad.random() < 0.3:
+                sc = replace(sc, lookup=True, suffix=True)
+            if "decode" not in fixed:
+                policy = dict(policy="adaptive", draft_survival=ad.choice((0.0, 0.3, 0.5, 0.9)),
+                              accept_prior=ad.choice((0.0, 0.5, 1.0, ad.random())),
+                              estimate_rate=ad.choice((0.05, 0.3, 1.0)))  # fmt: skip
+                sc = replace(sc, decode=replace(sc.decode, **policy))
+            sc = replace(sc, chaos=ad.random() < 0.5)
+        if family.endswith(("-batch", "-suffix", "-adaptive")):
             bu = random.Random(f"budgets:{family}:{seed}")
             if bu.random() < 0.5:
                 top = sc.decode.max_new_tokens
@@ -248,6 +270,51 @@ class TickClock:
 
     def now(self) -> float:
         return float(self.world.tick)
+
+
+class ChaosEstimates(Estimates):
+    """Estimates that read as anything, drawn anew at every decision (seeded): the adaptive policy
+    then takes any of its decisions (wait, verify a cut or the whole pending run, step on its own,
+    hold a drafter) in any order; each must keep the protocol lossless and live."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(accept_prior=0.5, rate=0.1)
+        self.rng = rng
+
+    def acceptance(self) -> list[float]:
+        return [self.rng.choice((0.0, 1.0, self.rng.random())) for _ in range(MAX_POSITIONS)]
+
+    def costs(self, limit: int) -> list[float]:
+        c0, slope = self.rng.choice((1e-3, 1.0, 100.0)), self.rng.choice((0.0, 0.05, 1.0))
+        return [c0 * (1 + slope * k) for k in range(limit + 1)]
+
+    def gap(self, now: float) -> float | None:
+        return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
+
+    @property
+    def survival(self) -> list[float]:
+        return [self.rng.random() for _ in range(MAX_POSITIONS)]
+
+    @survival.setter
+    def survival(self, value: list[float]) -> None:
+        pass
+
+
+class DriftClock:
+    """A stage's clock in the "-adaptive" families: the world's tick plus a drawn amount on every
+    reading, so that forwards take time (they are bracketed by readings), waiting takes time, and
+    each stage's costs and its upstream's delivery gaps differ and drift: what the adaptive policy
+    estimates, and so where it waits, cuts a verification or holds a drafter, follows the seed."""
+
+    def __init__(self, world: World, stage: int) -> None:
+        self.world = world
+        self.rng = random.Random(f"clock:{world.sc.family}:{world.sc.seed}:{stage}")
+        self.steps = tuple(self.rng.choice((0.0, 0.1, 1.0, 5.0, 40.0)) for _ in range(3))
+        self.drift = 0.0
+
+    def now(self) -> float:
+        self.drift += self.rng.choice(self.steps)
+        return float(self.world.tick) + self.drift
 
 
 class ExWindow:
@@ -445,10 +512,11 @@ class World:
         ]
         n_tokens = len(self.jobs) * sc.decode.max_new_tokens
         self.max_ticks = max_ticks or 20_000 + 2_000 * k * n_tokens
-        clock = TickClock(self)
+        adaptive = sc.family.endswith("-adaptive")
         self.procs: list[StageProcess | BatchedStage] = []
         self.slot_procs: list[StageProcess] = []  # every slot of every stage
         for i in range(k):
+            clock = DriftClock(self, i) if adaptive else TickClock(self)
             slots = []
             for s in range(b):
                 n = s * k + i
@@ -469,6 +537,11 @@ class World:
                     )  # fmt: skip
                 )
             self.slot_procs += slots
+            if sc.chaos:
+                for p in slots:
+                    p.loop.est = ChaosEstimates(
+                        random.Random(f"chaos:{sc.family}:{sc.seed}:{p.loop.role.rank}")
+                    )
             self.procs.append(slots[0] if b == 1 else BatchedStage(slots, clock, self.parts.score))
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)

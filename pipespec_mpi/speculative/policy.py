@@ -12,6 +12,11 @@
   either verifier         when the upstream can give no more (``upstream_idle``): verify what is
                           pending, else step on its own
   ar                      the last stage steps alone
+  adaptive (decode.policy) PipeSpec's verifiers choose verify-k / wait / own step by expected
+                          tokens per second, and every drafter stops where its tokens are more
+                          likely thrown away than kept (speculative/goodput.py); a drafter held so
+                          says it is idle, so that no verifier waits for it. The fixed settings
+                          stay as bounds
 A verifier commits up to n + 1 tokens for n verified: the last stage keeps that within
 ``max_new_tokens``, the others may overshoot their room by the bonus token.
 """
@@ -22,6 +27,7 @@ import enum
 from dataclasses import dataclass
 
 from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.speculative.goodput import Estimates, choose, draft_reach
 
 
 class Act(enum.Enum):
@@ -48,6 +54,8 @@ class View:
     want: int = 0  # SD: this stage's current demand
     upstream_idle: bool = False  # the upstream can give no more now (capped, or no lookup hit)
     upstream_free: bool = False  # the upstream is a model-free drafter (its proposals cost ~nothing)
+    estimates: Estimates | None = None  # adaptive policy: this stage's running estimates
+    now: float = 0.0  # the stage's clock (adaptive: how long its upstream has been silent)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,19 @@ def room(v: View, cfg: DecodeConfig) -> int:
     return min(left, cfg.max_run_ahead - (v.committed - v.down_committed))
 
 
+def adaptive(v: View, cfg: DecodeConfig) -> bool:
+    return cfg.policy == "adaptive" and v.method == "pipespec" and v.estimates is not None
+
+
+def survival_room(v: View, cfg: DecodeConfig) -> int:
+    """Adaptive: how many more tokens a drafter drafts before its tokens would more likely be
+    thrown away than kept (goodput.draft_reach); unbounded for the last stage or a static one."""
+    if v.last or not adaptive(v, cfg) or cfg.draft_survival <= 0:
+        return cfg.max_new_tokens
+    reach = draft_reach(v.estimates.survival, cfg.draft_survival, cfg.max_run_ahead)
+    return reach - (v.committed - v.down_committed)
+
+
 def decide(v: View, cfg: DecodeConfig) -> Decision:
     """The next action. A verifier's wait can depend on ``upstream_idle``: the caller reads the
     upstream only when the decision says ``upstream_matters``, then decides again."""
@@ -79,6 +100,10 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         return Decision(Act.WAIT, want=v.want)
     if v.method == "ar":
         return Decision(Act.OWN)
+    held = survival_room(v, cfg)
+    if held <= 0:  # held by its own choice: idle, so that no verifier waits for it
+        return Decision(Act.WAIT, want=v.want, idle=True)
+    r = min(r, held)
     if v.first:
         return Decision(Act.LOOKUP, n=r) if v.lookup else Decision(Act.DRAFT)
     budget = r if v.last else cfg.max_new_tokens - v.committed
@@ -91,6 +116,17 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
             return Decision(Act.OWN, want=want)
         if v.pending >= window:
             return Decision(Act.VERIFY, n=window, want=want)
+    elif adaptive(v, cfg):
+        if limit < 1:
+            return Decision(Act.OWN)
+        est = v.estimates
+        most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
+        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(v.now))
+        if c.act == "verify":
+            return Decision(Act.VERIFY, n=c.n)
+        if c.act == "own":
+            return Decision(Act.OWN)
+        return Decision(Act.WAIT, upstream_matters=True)
     else:
         need = max(1, min(cfg.lookahead, limit))
         if v.pending >= need and limit >= 1:

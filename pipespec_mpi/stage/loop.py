@@ -29,6 +29,7 @@ import torch
 from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.comm.window import Header
 from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.speculative.goodput import Estimates
 from pipespec_mpi.speculative.policy import Act, Decision, View, decide
 from pipespec_mpi.speculative.sequence import Inbox, adopt
 from pipespec_mpi.speculative.verifiers import Verifier
@@ -124,6 +125,14 @@ class StageLoop:
         self.record_timeline = record_timeline
         self.is_scorer = hasattr(model, "logits")
         self.seq = -1
+        # a waiting stage's next moment to decide again although nothing it sees changed (the
+        # adaptive policy's wait stops paying as the upstream stays silent); None: on change only.
+        # A rank's driver polls every millisecond anyway; the simulator wakes the stage then
+        self.recheck_at: float | None = None
+        # the adaptive policy's running estimates, kept across prompts (speculative/goodput.py)
+        self.est = (
+            Estimates(decode.accept_prior, decode.estimate_rate) if decode.policy == "adaptive" else None
+        )
 
     # ------------------------------------------------------------------ prompt boundaries
     def reset(self, seq: int) -> None:
@@ -131,6 +140,9 @@ class StageLoop:
         self.seq, self.epoch, self.seen_down_epoch = seq, 0, 0
         self.out: list[int] = []
         self.cost: list[float] = []  # compute time per committed token (for discarded_s)
+        self.ahead: list[int] = []  # per committed token: how far ahead of the downstream it was
+        # committed (0: adopted from it); tokens before ``fated`` had their fate recorded
+        self.fated = 0
         self.sent = self.dirty_from = 0
         self.want, self.idle = 0, False
         self.published = (0, False)
@@ -213,6 +225,9 @@ class StageLoop:
         d = self._decide()
         self.want, self.idle = d.want, d.idle
         t = self.clock.now()
+        self.recheck_at = None
+        if d.act is Act.WAIT and d.upstream_matters and self.est is not None and self.est.gap_s is not None:
+            self.recheck_at = t + max(self.est.gap_s, 1e-4)
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._close_wait(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
@@ -252,10 +267,25 @@ class StageLoop:
             down_committed=down.length if down else 0, down_want=down.want if down else 0,
             pending=len(self.inbox.tokens), want=self.want, upstream_free=self.role.upstream_free,
         )  # fmt: skip
+        if self.est is not None:
+            v = replace(v, estimates=self.est, now=self.clock.now())
         d = decide(v, self.cfg)
         if d.upstream_matters and self.role.upstream is not None and self._upstream_idle():
             d = decide(replace(v, upstream_idle=True), self.cfg)
+        if self.est is not None:
+            self._count_choice(v, d)
         return d
+
+    def _count_choice(self, v: View, d: Decision) -> None:
+        """What the adaptive policy chose where the static rule would have acted at once (a wait
+        counts once, when it starts)."""
+        if d.act is Act.VERIFY and d.n < v.pending:
+            self.stats.verify_cut += 1
+        elif d.act is Act.WAIT and self.wait_t0 is None:
+            if d.idle and not v.capped:
+                self.stats.drafts_held += 1
+            elif d.upstream_matters:
+                self.stats.waits_chosen += 1
 
     # ------------------------------------------------------------------ actions
     def _step(self, kind: str, logits: torch.Tensor, t0: float) -> None:
@@ -264,6 +294,8 @@ class StageLoop:
         drawn = self.verifier.draw(logits, n0)
         t1 = self.clock.now()
         self.stats.forward_calls += 1
+        if self.est is not None:
+            self.est.forward(0, t1 - t0)
         self._commit([drawn.token], t1 - t0, [drawn.dist])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "draft":
@@ -298,6 +330,9 @@ class StageLoop:
         self.stats.tokens_verified += n
         self.stats.tokens_accepted += verdict.n_accepted
         self.stats.verify_trace.append([n, verdict.n_accepted])
+        if self.est is not None:
+            self.est.verified(n, verdict.n_accepted)
+            self.est.forward(n, t1 - t0)
         self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
@@ -313,6 +348,8 @@ class StageLoop:
                 raise ProtocolError(f"stage {self.role.stage}: a token to send has no distribution")
             for k in range(len(tokens)):
                 self.rows[len(self.out) + k] = dists[k]
+        ahead0 = len(self.out) - (self.down.length if self.down is not None else 0)
+        self.ahead.extend(range(ahead0 + 1, ahead0 + 1 + len(tokens)))
         self.out.extend(tokens)
         self.cost.extend([cost_s / max(1, len(tokens))] * len(tokens))
         self.stats.tokens_generated += len(tokens)
@@ -330,6 +367,7 @@ class StageLoop:
         if h.done:
             return True, False
         if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
+            self._fates(len(self.out), h.length)
             return False, False
         h, theirs = self._read(self.win.snapshot, down)
         if h.prompt != self.seq:  # it finished and started the next prompt between the two reads
@@ -346,6 +384,8 @@ class StageLoop:
             # may have been verified there; offered again it would get a second chance (a bias).
             tokens, keep = tokens[: len(theirs)], min(keep, len(theirs))
         discarded = old - keep
+        self._fates(keep, min(h.length, keep), thrown_to=old)
+        self.ahead = self.ahead[:keep] + [0] * (len(tokens) - keep)
         if discarded:
             self.stats.rollbacks += 1
             self.stats.tokens_discarded += discarded
@@ -367,6 +407,19 @@ class StageLoop:
             self._bump_epoch()
         self._publish()
         return False, True
+
+    def _fates(self, keep: int, confirmed: int, thrown_to: int = 0) -> None:
+        """Adaptive: record the fate of our tokens the downstream has now judged: kept up to
+        ``confirmed``, thrown away from ``keep`` to ``thrown_to`` (the length before a rollback)."""
+        if self.est is None:
+            return
+        for i in range(self.fated, confirmed):
+            if self.ahead[i] > 0:
+                self.est.fate(self.ahead[i], True)
+        for i in range(max(self.fated, keep), thrown_to):
+            if self.ahead[i] > 0:
+                self.est.fate(self.ahead[i], False)
+        self.fated = min(max(self.fated, confirmed), keep)
 
     def _send_owed(self) -> bool:
         """Send the tokens the downstream has not got; False when there are none (or no buffer)."""
@@ -393,6 +446,7 @@ class StageLoop:
     def _take_proposals(self) -> bool:
         msgs, dropped = self.mailbox.take(self.seq)
         self.stats.dropped_messages += dropped
+        before = len(self.inbox.tokens)
         for msg in msgs:
             if msg.epoch != self.epoch:
                 self.stats.dropped_messages += 1
@@ -401,6 +455,9 @@ class StageLoop:
             if not self.inbox.merge(self.out, msg.start, msg.tokens, rows):
                 self._bump_epoch()
                 self._publish()
+                before = 0
+        if self.est is not None:
+            self.est.arrived(self.clock.now(), len(self.inbox.tokens) - before)
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
@@ -419,6 +476,8 @@ class StageLoop:
         self.inbox.clear()
         self.epoch += 1
         self.stats.rollbacks_signalled += 1
+        if self.est is not None:
+            self.est.restarted(self.clock.now())
 
     @property
     def _capped(self) -> bool:

@@ -24,6 +24,11 @@ class StageStats:
     tokens_discarded: int = 0  # own tokens thrown away by rollbacks
     discarded_s: float = 0.0  # compute time spent on those tokens
     dropped_messages: int = 0  # proposals of an old epoch or prompt
+    # the adaptive policy (decode.policy=adaptive): waits for more proposals it chose although it
+    # could act, verifications of fewer proposals than were pending, drafting held back by survival
+    waits_chosen: int = 0
+    verify_cut: int = 0
+    drafts_held: int = 0
     busy_s: float = 0.0
     wait_s: float = 0.0
     read_s: float = 0.0  # in epochs-window reads (a passive-target RMA read waits for a busy owner)

@@ -11,6 +11,7 @@ from test_sampling_power import tiny_parts
 
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, World, explore, sweep
+from pipespec_mpi.speculative import goodput
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
 from pipespec_mpi.stage.loop import Mailbox, StageLoop
 
@@ -103,6 +104,32 @@ def test_a_prompts_own_budget_is_kept_by_every_stage(monkeypatch, family, seed, 
     begin = StageLoop.begin
     monkeypatch.setattr(StageLoop, "begin", lambda self, p, m, v, max_new_tokens=None: begin(self, p, m, v))
     assert explore(family, seed).verdict == verdict
+
+
+# the adaptive policy (decode.policy=adaptive): a forward timed at zero made its rates divide by zero
+ZERO_COST = [("pipespec-greedy-adaptive", 2), ("pipespec-leviathan-adaptive", 1)]
+
+
+@pytest.mark.parametrize("family,seed", ZERO_COST)
+def test_a_forward_timed_at_zero_still_costs(monkeypatch, family, seed):
+    assert explore(family, seed).ok
+    monkeypatch.setattr(goodput, "MIN_COST_S", 0.0)
+    found = explore(family, seed)
+    assert found.verdict == "error" and "ZeroDivisionError" in found.detail, found
+
+
+def test_the_adaptive_families_take_every_decision_of_the_policy():
+    """Across a slice of seeds the adaptive policy waits, cuts verifications and holds drafters
+    (estimates drawn anew at every decision, or learned on drifting clocks)."""
+    seen = {"waits_chosen": 0, "verify_cut": 0, "drafts_held": 0, "own_steps": 0}
+    for family in ("pipespec-greedy-adaptive", "pipespec-gumbel-adaptive"):
+        for seed in range(40):
+            world = World(Scenario.draw(family, seed))
+            assert world.run().ok
+            for outcome in world.outcomes.values():
+                for key in seen:
+                    seen[key] += getattr(outcome.stats, key)
+    assert all(seen.values()), seen
 
 
 def test_a_wrong_verifier_is_a_mismatch():

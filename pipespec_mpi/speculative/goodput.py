@@ -1,0 +1,214 @@
+"""Online estimates of a stage's pipeline, and the goodput arithmetic its adaptive policy uses.
+
+Notation (one stage, its upstream pair u -> s and its downstream pair s -> d):
+  a_j      conditional acceptance of draft position j (1-based) of a verification at s: the
+           chance that s accepts the j-th pending proposal given it accepted the j-1 before it
+  E(k)     expected tokens s commits verifying k proposals: 1 + sum_{j<=k} prod_{i<=j} a_i (the
+           1 is the correction or the bonus token, always committed); E(0) = 1 is an own step
+  c(k)     seconds of a forward of s verifying k proposals (k + 1 rows); c(0) an own step
+  g        seconds per proposal token arriving from u (its delivery rate, 1/g tokens/s)
+  q_d      the chance that a token s commits d tokens ahead of d's committed length is kept
+           by d (not thrown away by a rollback): the drafter side's survival by distance
+
+A verifier with p proposals pending verifies them all but a tail whose rows do not pay for
+themselves (``verify_length``), and chooses the action of the highest rate (tokens per second):
+  verify k now       E(k) / c(k)
+  wait for m > p     E(m) / ((m - p) g + c(m))            (only while u can deliver)
+  own step (p = 0)   (1 + E(m')) / (c(0) + c(m')),  m' = floor(c(0) / g) - 1
+The own step is costed as a two-forward plan: u keeps drafting during it, so the step is followed
+by a verification of what arrived meanwhile (less the position the step itself committed). Sunk
+time never counts: the wait's rate uses g_eff = max(g, seconds since the last arrival), so a wait
+on a stalled upstream stops paying and the verifier steps on its own. A drafter (any stage but
+the last) drafts position d ahead of its verifier only while q_d >= ``decode.draft_survival``:
+a token more likely thrown away than kept costs compute (on shared cores, its neighbours') and
+delays its reaction to the next rollback.
+
+Every estimate is an exponential average (weight ``rate``) that starts from a prior: acceptance
+``accept_prior`` (a position first observed starts from the one before it, one never observed
+reads as the last observed, and one not judged by a verification drifts towards the acceptance of
+all positions pooled, so that a position no longer tried is not judged by stale data); survival
+1; costs unknown (all alike until forwards were timed, then measured per k and interpolated
+between measured neighbours, so the paper's verify-everything holds until a verification was
+timed); g unknown (then no waiting: PipeSpec's never-wait rule). The policy only orders a stage's
+actions: what any stage commits is decided by its verifier alone, so no estimate, and no timing,
+can change the output (greedy and Gumbel: the same tokens; Leviathan: the same distribution).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
+MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
+
+
+def expected_committed(accept: Sequence[float], k: int) -> float:
+    """E(k): tokens committed by a verification of k proposals (correction or bonus included)."""
+    total, survive = 1.0, 1.0
+    for j in range(min(k, len(accept))):
+        survive *= accept[j]
+        total += survive
+    return total
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A verifier's best action: ``verify`` k proposals now, ``wait`` for ``m`` pending, or ``own``."""
+
+    act: str  # verify | wait | own
+    n: int  # verify: k; wait: m; own: 0
+    rate: float  # expected tokens per second
+
+
+def choose(
+    accept: Sequence[float],
+    cost: Sequence[float],
+    pending: int,
+    limit: int,
+    most_wait: int,
+    gap_s: float | None,
+) -> Choice:
+    """The verifier's rate-maximising action (see the module's notation). ``cost[k]`` = c(k) for
+    k in 0..limit; ``limit``: most proposals one verification may take; ``most_wait``: most
+    proposals worth waiting for (0 when the upstream cannot deliver more); ``gap_s``: g, or None
+    when unknown (then no waiting)."""
+    p = min(pending, limit)
+    if p == 0:
+        m1 = 0
+        if gap_s is not None and gap_s > 0:
+            m1 = max(0, min(limit, most_wait, int(cost[0] / gap_s) - 1))
+        best = Choice("own", 0, (1.0 + expected_committed(accept, m1)) / (cost[0] + cost[m1]))
+    else:
+        k = verify_length(accept, cost, p)
+        best = Choice("verify", k, expected_committed(accept, k) / cost[k])
+    if gap_s is not None and gap_s < math.inf:
+        for m in range(p + 1, min(limit, most_wait) + 1):
+            r = expected_committed(accept, m) / ((m - p) * gap_s + cost[m])
+            if r > best.rate:
+                best = Choice("wait", m, r)
+    return best
+
+
+def verify_length(accept: Sequence[float], cost: Sequence[float], pending: int) -> int:
+    """How many of ``pending`` proposals to verify: all of them, less the tail positions whose row
+    does not pay for itself, S_j c(0) < c(j) - c(j-1) with S_j = prod_{i<=j} a_i (the chance
+    position j is committed, each committed token worth an own step). With flat costs (a
+    memory-bound GPU) that is every pending proposal; where each row costs (a compute-bound CPU)
+    the verification stops where survival falls below the row's share of a step. A proposal not
+    verified now is not lost: the next verification takes it, so only the tail is cut."""
+    survive = [1.0]
+    for j in range(pending):
+        survive.append(survive[-1] * (accept[j] if j < len(accept) else accept[-1]))
+    k = pending
+    while k > 1 and survive[k] * cost[0] < cost[k] - cost[k - 1]:
+        k -= 1
+    return k
+
+
+def draft_reach(survival: Sequence[float], threshold: float, most: int) -> int:
+    """How far ahead of its verifier a drafter drafts: every distance d (1-based) up to the first
+    whose survival q_d is below ``threshold``, that one included (so the boundary keeps being
+    measured), at most ``most``."""
+    for d in range(1, most + 1):
+        if d - 1 < len(survival) and survival[d - 1] < threshold:
+            return d
+    return most
+
+
+class Estimates:
+    """One stage's running estimates (see the notation above); kept across prompts."""
+
+    def __init__(self, accept_prior: float, rate: float) -> None:
+        self.rate = rate
+        self.accept = [accept_prior] * MAX_POSITIONS
+        self.pooled = accept_prior  # every judged position alike
+        self.seen = 0  # draft positions observed at least once (1..seen); the later ones read as
+        # the last observed (a verifier that cuts its verifications short must still value the
+        # positions it no longer tries: acceptance rarely falls steeply with the position)
+        self.survival = [1.0] * MAX_POSITIONS
+        self.cost: dict[int, float] = {}  # k -> c(k), measured
+        self.gap_s: float | None = None
+        self.last_arrival: float | None = None
+
+    def _ema(self, old: float, new: float) -> float:
+        return old + self.rate * (new - old)
+
+    # ---------------------------------------------------------------- observations
+    def verified(self, n: int, accepted: int) -> None:
+        """A verification of n proposals accepted the first ``accepted``."""
+        for j in range(min(n, MAX_POSITIONS)):
+            if j >= self.seen:  # first observation: start from the position before it
+                self.accept[j] = self.accept[j - 1] if j else self.accept[j]
+                self.seen = j + 1
+            ok = j < accepted
+            self.accept[j] = self._ema(self.accept[j], float(ok))
+            self.pooled = self._ema(self.pooled, float(ok))
+            if not ok:  # position j rejected; the later ones were not judged
+                break
+        # positions not judged drift towards the pooled acceptance, at half the rate: an estimate
+        # of a position that is no longer tried must not stay what it was when it was last tried
+        for j in range(min(accepted + 1, n, self.seen), self.seen):
+            self.accept[j] += 0.5 * self.rate * (self.pooled - self.accept[j])
+
+    def forward(self, k: int, seconds: float) -> None:
+        """A forward verifying k proposals (0: an own or draft step) took ``seconds``."""
+        seconds = max(seconds, MIN_COST_S)
+        old = self.cost.get(k)
+        self.cost[k] = seconds if old is None else self._ema(old, seconds)
+
+    def arrived(self, now: float, n_tokens: int) -> None:
+        """``n_tokens`` new proposal tokens were taken in at ``now``."""
+        if n_tokens <= 0:
+            return
+        if self.last_arrival is not None:
+            g = max(0.0, now - self.last_arrival) / n_tokens
+            self.gap_s = g if self.gap_s is None else self._ema(self.gap_s, g)
+        self.last_arrival = now
+
+    def restarted(self, now: float) -> None:
+        """The upstream's proposals were dropped (a rollback): it starts again from ``now``."""
+        self.last_arrival = now
+
+    def fate(self, distance: int, kept: bool) -> None:
+        """A token committed ``distance`` ahead of the verifier was kept, or thrown away."""
+        if 1 <= distance <= MAX_POSITIONS:
+            self.survival[distance - 1] = self._ema(self.survival[distance - 1], 1.0 if kept else 0.0)
+
+    # ---------------------------------------------------------------- what decisions read
+    def acceptance(self) -> list[float]:
+        """a_1.. for decisions: observed positions as estimated, later ones as the last observed."""
+        if self.seen == 0:
+            return self.accept
+        tail = self.accept[self.seen - 1]
+        return self.accept[: self.seen] + [tail] * (MAX_POSITIONS - self.seen)
+
+    def costs(self, limit: int) -> list[float]:
+        """c(0..limit): measured buckets, others interpolated between measured neighbours (the
+        nearest one outside the measured range); all equal to 1 before any forward was timed."""
+        if not self.cost:
+            return [1.0] * (limit + 1)
+        known = sorted(self.cost)
+        out = []
+        for k in range(limit + 1):
+            if k in self.cost:
+                out.append(self.cost[k])
+                continue
+            lo = max((x for x in known if x < k), default=None)
+            hi = min((x for x in known if x > k), default=None)
+            if lo is None:
+                out.append(self.cost[hi])
+            elif hi is None:
+                out.append(self.cost[lo])
+            else:
+                w = (k - lo) / (hi - lo)
+                out.append(self.cost[lo] + w * (self.cost[hi] - self.cost[lo]))
+        return out
+
+    def gap(self, now: float) -> float | None:
+        """g as seen now: a silence longer than the average counts (sunk time does not)."""
+        if self.gap_s is None:
+            return None
+        since = now - self.last_arrival if self.last_arrival is not None else 0.0
+        return max(self.gap_s, since)

@@ -1,0 +1,203 @@
+"""The adaptive policy: its goodput arithmetic, its running estimates and the decisions they make."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipespec_mpi.config import DecodeConfig, validate_decode
+from pipespec_mpi.speculative.goodput import (
+    MAX_POSITIONS,
+    Estimates,
+    choose,
+    draft_reach,
+    expected_committed,
+    verify_length,
+)
+from pipespec_mpi.speculative.policy import Act, View, decide
+
+ADAPTIVE = DecodeConfig(policy="adaptive", lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8,
+                        draft_survival=0.5)  # fmt: skip
+
+
+def view(est: Estimates, **kw) -> View:
+    base = dict(method="pipespec", first=False, last=True, lookup=False, committed=5, capped=False,
+                estimates=est, now=10.0)  # fmt: skip
+    base.update(kw)
+    return View(**base)
+
+
+def timed(c0: float = 0.02, slope: float = 0.0, gap: float | None = None, accept: float = 0.9) -> Estimates:
+    """Estimates that have seen forwards of c(k) = c0 (1 + slope k), an upstream delivering a
+    token every ``gap`` seconds (last one just now) and an acceptance of ``accept`` everywhere."""
+    est = Estimates(accept_prior=accept, rate=0.1)
+    for k in range(0, 9):
+        est.forward(k, c0 * (1 + slope * k))
+    if gap is not None:
+        est.arrived(10.0 - gap, 1)
+        est.arrived(10.0, 1)
+    return est
+
+
+# ------------------------------------------------------------------------ the arithmetic
+def test_expected_committed_counts_the_bonus_and_each_surviving_position():
+    assert expected_committed([0.5] * 4, 0) == 1.0
+    assert expected_committed([1.0] * 4, 3) == 4.0
+    assert expected_committed([0.0] * 4, 3) == 1.0
+    assert expected_committed([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_verification_is_cut_only_where_the_rows_do_not_pay():
+    flat = [0.1] + [0.4] * 20  # a memory-bound GPU: one jump, then flat (the paper's 4-bit 70B)
+    assert verify_length([0.5] * 20, flat, 12) == 12
+    linear = [1.0 + 0.1 * k for k in range(21)]  # each row 10% of a step: stop where S_j < 0.1
+    assert verify_length([0.5] * 20, linear, 12) == 3  # 0.5^3 = 0.125 pays, 0.5^4 does not
+    assert verify_length([0.99] * 20, linear, 12) == 12
+    assert verify_length([0.0] * 20, linear, 5) == 1  # never below one
+
+
+def test_no_wait_without_a_known_or_able_upstream():
+    cost = [0.02] * 9
+    assert choose([0.9] * 8, cost, 0, 8, 8, None).act == "own"
+    assert choose([0.9] * 8, cost, 2, 8, 8, None) == choose([0.9] * 8, cost, 2, 8, 0, 0.001)
+
+
+def test_a_fast_upstream_is_waited_for_and_a_slow_one_is_not():
+    cost = [0.025 * (1 + 0.03 * k) for k in range(9)]  # a CPU target, each row 3% of a step
+    fast = choose([0.97] * 8, cost, 0, 8, 8, 0.005)
+    assert fast.act == "wait" and fast.n > 1
+    assert choose([0.97] * 8, cost, 0, 8, 8, 0.5).act == "own"
+    # a poor drafter is not waited for even when it is fast
+    assert choose([0.05] * 8, cost, 0, 8, 8, 0.005).act == "own"
+    # the wait never aims beyond what one verification may take or the upstream can deliver
+    assert choose([0.99] * 8, cost, 0, 8, 3, 0.0001).n <= 3
+
+
+def test_draft_reach_stops_after_the_first_distance_below_the_threshold():
+    assert draft_reach([1.0, 0.8, 0.6, 0.4, 0.2], 0.5, 8) == 4
+    assert draft_reach([1.0] * 4, 0.5, 8) == 8
+    assert draft_reach([0.1] * 4, 0.5, 8) == 1  # the boundary is always drafted: it stays measured
+    assert draft_reach([0.1] * 4, 0.0, 8) == 8
+
+
+# ------------------------------------------------------------------------ the estimates
+def test_acceptance_is_learned_per_position_and_unseen_positions_read_as_the_last_seen():
+    est = Estimates(accept_prior=0.6, rate=0.5)
+    est.verified(3, 1)  # position 1 accepted, 2 rejected, 3 not judged
+    a = est.acceptance()
+    assert a[0] == pytest.approx(0.8)  # 0.6 + 0.5 (1 - 0.6)
+    assert a[1] == pytest.approx(0.4)  # first seen: starts from position 1 (0.8), then rejected
+    assert est.seen == 2 and a[2] == a[1] and a[MAX_POSITIONS - 1] == a[1]
+
+
+def test_a_position_no_longer_tried_drifts_towards_the_pooled_acceptance():
+    est = Estimates(accept_prior=0.6, rate=0.2)
+    est.verified(4, 1)  # position 2 rejected once: low
+    low = est.accept[1]
+    for _ in range(200):
+        est.verified(1, 1)  # only position 1 is tried from now on, always accepted
+    assert est.accept[1] > low + 0.3 and est.pooled > 0.9
+
+
+def test_costs_are_measured_and_interpolated_and_gaps_count_a_silence():
+    est = Estimates(accept_prior=0.6, rate=0.1)
+    assert est.costs(3) == [1.0] * 4  # nothing timed: all alike (the paper's rule)
+    est.forward(0, 0.02)
+    est.forward(4, 0.04)
+    assert est.costs(6) == pytest.approx([0.02, 0.025, 0.03, 0.035, 0.04, 0.04, 0.04])
+    assert est.gap(5.0) is None
+    est.arrived(1.0, 2)
+    est.arrived(1.1, 2)  # 2 tokens in 0.1 s
+    assert est.gap(1.1) == pytest.approx(0.05)
+    assert est.gap(2.1) == pytest.approx(1.0)  # silent for 1 s: waiting no longer looks cheap
+    est.restarted(3.0)
+    assert est.gap(3.01) == pytest.approx(0.05)
+
+
+def test_survival_by_distance():
+    est = Estimates(accept_prior=0.6, rate=0.5)
+    est.fate(1, True)
+    est.fate(3, False)
+    est.fate(0, False)  # adopted tokens (distance 0) and far ones are not counted
+    est.fate(MAX_POSITIONS + 5, False)
+    assert est.survival[0] == 1.0 and est.survival[2] == 0.5 and est.survival[1] == 1.0
+
+
+# ------------------------------------------------------------------------ the decisions
+def test_an_adaptive_verifier_waits_for_a_good_fast_drafter_and_reads_its_idle_flag():
+    est = timed(c0=0.025, slope=0.03, gap=0.004, accept=0.97)
+    d = decide(view(est, pending=1), ADAPTIVE)
+    assert d.act is Act.WAIT and d.upstream_matters and not d.idle
+    idle = decide(view(est, pending=1, upstream_idle=True), ADAPTIVE)
+    assert idle.act is Act.VERIFY and idle.n == 1
+    assert decide(view(est, pending=0, upstream_idle=True), ADAPTIVE).act is Act.OWN
+
+
+def test_an_adaptive_verifier_steps_on_its_own_when_its_drafter_is_slow_or_poor():
+    assert decide(view(timed(gap=1.0), pending=0), ADAPTIVE).act is Act.OWN
+    assert decide(view(timed(gap=0.001, accept=0.02), pending=0), ADAPTIVE).act is Act.OWN
+
+
+def test_an_adaptive_drafter_is_held_by_survival_and_says_it_is_idle():
+    est = timed()
+    for _ in range(50):
+        est.fate(3, False)
+    drafter = dict(first=True, last=False, down_committed=4)
+    assert decide(view(est, committed=6, **drafter), ADAPTIVE).act is Act.DRAFT  # distance 3: drafted
+    held = decide(view(est, committed=7, **drafter), ADAPTIVE)
+    assert held.act is Act.WAIT and held.idle
+    off = DecodeConfig(policy="adaptive", lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8,
+                       draft_survival=0.0)  # fmt: skip
+    assert decide(view(est, committed=7, **drafter), off).act is Act.DRAFT
+    # the static policy never looks at estimates
+    static = DecodeConfig(lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8)
+    assert decide(view(est, committed=7, **drafter), static).act is Act.DRAFT
+
+
+def test_sd_and_ar_ignore_the_adaptive_policy():
+    est = timed(gap=0.001, accept=0.99)
+    sd = DecodeConfig(policy="adaptive", sd_window=3, max_new_tokens=64, max_run_ahead=8, max_verify=8)
+    d = decide(view(est, method="sd", pending=1), sd)
+    assert d.act is Act.WAIT and d.want == 8  # SD's fixed window: committed 5 + 3
+    assert decide(view(est, method="ar"), sd).act is Act.OWN
+
+
+def test_adaptive_decisions_are_always_legal():
+    """Whatever the estimates, a decision is one the static rules could also reach: verify at
+    most what is pending and what one forward may take, wait only on an upstream that can still
+    deliver, and never commit past the run-ahead bound."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        est = Estimates(accept_prior=rng.random(), rate=rng.choice((0.05, 0.5, 1.0)))
+        for _ in range(rng.randint(0, 6)):
+            est.forward(rng.randint(0, 10), rng.random() * rng.choice((0.001, 0.1, 1.0)))
+            n = rng.randint(1, 10)
+            est.verified(n, rng.randint(0, n))
+            est.arrived(rng.random() * 10, rng.randint(0, 5))
+            est.fate(rng.randint(1, 10), rng.random() < 0.5)
+        cfg = DecodeConfig(policy="adaptive", lookahead=0, sd_window=None, max_new_tokens=rng.randint(1, 30),
+                           max_run_ahead=rng.randint(1, 10), max_verify=rng.randint(1, 10),
+                           draft_survival=rng.choice((0.0, 0.5, 0.9)))  # fmt: skip
+        assert not validate_decode(cfg, sd_needed=False)
+        first = rng.random() < 0.3
+        last = not first and rng.random() < 0.5
+        v = view(est, first=first, last=last, committed=rng.randint(0, cfg.max_new_tokens),
+                 down_committed=0 if last else rng.randint(0, 12), pending=0 if first else rng.randint(0, 12),
+                 upstream_idle=rng.random() < 0.3, now=rng.random() * 12)  # fmt: skip
+        v = View(**{**v.__dict__, "capped": v.committed >= cfg.max_new_tokens})
+        d = decide(v, cfg)
+        if d.act is Act.VERIFY:
+            assert 1 <= d.n <= min(v.pending, cfg.max_verify)
+        if d.act is Act.WAIT and not d.idle and not v.first and not v.capped:
+            assert not v.upstream_idle or not d.upstream_matters
+        if not v.last and d.act in (Act.DRAFT, Act.VERIFY, Act.OWN):
+            assert v.committed - v.down_committed < cfg.max_run_ahead
+
+
+def test_the_policy_keys_are_validated():
+    bad = DecodeConfig(policy="greedy-ish", draft_survival=1.5, accept_prior=-0.1, estimate_rate=0.0)
+    problems = " ".join(validate_decode(bad, sd_needed=False))
+    for key in ("decode.policy='greedy-ish'", "decode.draft_survival=1.5", "decode.accept_prior=-0.1",
+                "decode.estimate_rate=0.0"):  # fmt: skip
+        assert key in problems
