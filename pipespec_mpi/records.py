@@ -89,6 +89,8 @@ class Record:
     lookahead: int | None  # the window a verifier waits for under this method
     max_run_ahead: int | None = None
     max_verify: int | None = None
+    policy: str = "static"  # decode.policy the stages decided by (speculative/goodput.py)
+    draft_survival: float | None = None  # decode.draft_survival under the adaptive policy
     max_new_tokens: int  # this job's budget: the row's max_tokens, else decode.max_new_tokens
     transport: str
     epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
@@ -259,6 +261,11 @@ class StageSummary:
     # a verifier's forwards that verified a proposal (the rest were steps of its own)
     proposals_per_forward: float = 0.0
     tokens_per_forward: float = 0.0  # tokens committed by its own actions per forward
+    # the adaptive policy (decode.policy=adaptive): waits it chose although it could act, its
+    # verifications of fewer proposals than were pending, the times it held its drafting back
+    waits_chosen: int = 0
+    verify_cut: int = 0
+    drafts_held: int = 0
     # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens
     # the next stage committed as proposed), mean_accepted (accepted per proposal)
     drafter: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -248,6 +248,12 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                     {} if m == "ar" else {i: st.proposals_per_forward for i, st in enumerate(s.stages) if i}
                 ),
                 "tokens_per_target_forward": s.stages[-1].tokens_per_forward,
+                "policy": "-" if m == "ar" else (run.config.get("decode") or {}).get("policy", "static"),
+                "policy_actions": {
+                    i: {"waits": st.waits_chosen, "cut": st.verify_cut, "held": st.drafts_held}
+                    for i, st in enumerate(s.stages)
+                    if st.waits_chosen or st.verify_cut or st.drafts_held
+                },
                 "drafter": s.stages[0].drafter,
                 "ttft_s_mean": s.ttft_s_mean,
                 "token_latency_ms": s.token_latency_ms,
@@ -291,12 +297,15 @@ def _cells(row: dict) -> list[str]:
         ", ".join(f"{k} {v:.2f}" for k, v in row["proposals_per_forward"].items()) or "-",
         f"{row['tokens_per_target_forward']:.2f}",
         ", ".join(f"{k} {v['mean_accepted']:.2f}" for k, v in row["drafter"].items()) or "-",
+        row["policy"],
+        ", ".join(f"{i} {a['waits']}/{a['cut']}/{a['held']}" for i, a in row["policy_actions"].items())
+        or "-",
     ]
 
 
 HEADER = ["run", "method", "models", "lookahead", "batch", "prompts", "tokens", "ms/token", "tokens/s",
           "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
-          "drafter accepted/proposal"]  # fmt: skip
+          "drafter accepted/proposal", "policy", "waits/cut/held"]  # fmt: skip
 RIGHT = {3, 4, 5, 6, 7, 8, 9, 12}
 
 
@@ -310,6 +319,11 @@ def _footnotes(rows: Sequence[dict]) -> list[str]:
     notes.append("accepted/verification: mean draft tokens accepted per verification, per pair")
     notes.append("proposals/forward: per verifying stage, the share of its forwards that verified a proposal")
     notes.append("tokens/target forward: tokens the last stage committed per forward (AR: 1)")
+    if any(r["policy_actions"] for r in rows):
+        notes.append(
+            "waits/cut/held: per stage, what decode.policy=adaptive chose: waits for more proposals "
+            "although it could act, verifications cut short of what was pending, drafting held back"
+        )
     if any(r["drafter"] for r in rows):
         notes.append("drafter accepted/proposal: a suffix stage 0's tokens accepted per proposal, per source")
     return notes

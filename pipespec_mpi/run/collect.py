@@ -146,6 +146,8 @@ class RecordAssembler:
             lookahead=cfg.decode.window(job.method),
             max_run_ahead=cfg.decode.max_run_ahead,
             max_verify=cfg.decode.max_verify,
+            policy=cfg.decode.policy,
+            draft_survival=cfg.decode.draft_survival if cfg.decode.policy == "adaptive" else None,
             max_new_tokens=job.max_new_tokens or cfg.decode.max_new_tokens,
             transport=self.transport,
             epochs_window=self.epochs_window,

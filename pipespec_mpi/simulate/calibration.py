@@ -494,6 +494,8 @@ def simulate_record(
         max_new_tokens=max(1, rec.n_new_tokens),
         max_run_ahead=rec.max_run_ahead or max_run_ahead,
         max_verify=rec.max_verify or max_verify,
+        policy=rec.policy,
+        draft_survival=rec.draft_survival if rec.draft_survival is not None else DecodeConfig.draft_survival,
     )
     cfg = SimConfig(
         method=rec.method,

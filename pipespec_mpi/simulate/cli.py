@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.config import POLICIES, DecodeConfig
 from pipespec_mpi.simulate.calibration import load_records, predict_run
 from pipespec_mpi.simulate.paper import (
     PAPER_PIPESPEC_LOOKAHEAD,
@@ -110,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lookahead", type=int, default=PAPER_PIPESPEC_LOOKAHEAD,
                     help="paper: PipeSpec lookahead")  # fmt: skip
     ap.add_argument("--sd-window", type=int, default=PAPER_SD_WINDOW, help="paper: SD window")
+    ap.add_argument("--policy", choices=list(POLICIES), default="static",
+                    help="paper: PipeSpec's decisions (decode.policy; static: --lookahead)")  # fmt: skip
+    ap.add_argument("--draft-survival", type=float, default=0.0,
+                    help="paper, adaptive: decode.draft_survival (0: up to the bound)")  # fmt: skip
     ap.add_argument("--blocking-reads", action="store_true",
                     help="header reads wait for a computing stage (the RMA epochs window, "
                          "run.epochs_window=rma): paper: simulate it; runs: records made so")  # fmt: skip
@@ -140,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 pipespec_lookahead=a.lookahead,
                 acceptance=a.acceptance,
                 blocking_reads=a.blocking_reads,
+                policy=a.policy,
+                draft_survival=a.draft_survival,
             )
             print(json.dumps(rows, indent=2) if a.json else format_paper_table(rows))
             return 0

@@ -175,11 +175,19 @@ def paper_acceptance(
 
 
 def _paper_cfg(
-    method: str, look: int, n: int, max_run_ahead: int, max_verify: int, latency_s: float
+    method: str,
+    look: int,
+    n: int,
+    max_run_ahead: int,
+    max_verify: int,
+    latency_s: float,
+    policy: str = "static",
+    draft_survival: float = 0.0,
 ) -> SimConfig:
     decode = DecodeConfig(
-        lookahead=look, sd_window=None, max_new_tokens=n, max_run_ahead=max_run_ahead, max_verify=max_verify
-    )
+        lookahead=look, sd_window=None, max_new_tokens=n, max_run_ahead=max_run_ahead, max_verify=max_verify,
+        policy=policy, draft_survival=draft_survival,
+    )  # fmt: skip
     return SimConfig(method=method, decode=decode, latency_s=latency_s, include_prefill=False)
 
 
@@ -231,8 +239,12 @@ def paper_rows(
     latency_s: float = PAPER_LATENCY_S,
     profiles: Mapping[str, LatencyProfile] | None = None,
     blocking_reads: bool = False,
+    policy: str = "static",
+    draft_survival: float = 0.0,
 ) -> list[dict]:
-    """AR, SD and PipeSpec over the paper's hierarchies, in the paper's setting.
+    """AR, SD and PipeSpec over the paper's hierarchies, in the paper's setting. ``policy``:
+    PipeSpec's decisions (decode.policy; ``draft_survival`` under the adaptive one: 0 by default
+    here, each stage on a GPU of its own, where a draft that may be thrown away costs no neighbour).
 
     acceptance="trace" replays the authors' recorded acceptance along the target's output (and
     simulates that many tokens); "iid" uses the per-pair rates for ``n_tokens`` tokens.
@@ -246,7 +258,8 @@ def paper_rows(
         else:
             acc, n_trace = Acceptance(()), None
         look = {"ar": 0, "sd": sd_window, "pipespec": pipespec_lookahead}[method]
-        cfg = _paper_cfg(method, look, n_trace or n_tokens, max_run_ahead, max_verify, latency_s)
+        cfg = _paper_cfg(method, look, n_trace or n_tokens, max_run_ahead, max_verify, latency_s,
+                         policy, draft_survival)  # fmt: skip
         cfg = replace(cfg, blocking_reads=blocking_reads)
         ms = mean_ms_per_token([profiles[m] for m in models], acc, cfg, seeds)
         if method == "ar":
