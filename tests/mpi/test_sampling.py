@@ -17,7 +17,14 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
 def sample_pairs(
-    tmp: Path, hier: str, n: int, temperature: float, top_k: int, top_p: float, coupling: str
+    tmp: Path,
+    hier: str,
+    n: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    coupling: str,
+    extra: tuple[str, ...] = (),
 ) -> list:
     jsonl = tmp / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": PROMPT, "id": "fib"}) + "\n")
@@ -27,7 +34,7 @@ def sample_pairs(
          "decode.max_new_tokens=6", "decode.lookahead=2", f"sampling.temperature={temperature}",
          f"sampling.top_p={top_p}",
          f"sampling.top_k={top_k}", f"sampling.coupling={coupling}",
-         f"sampling.num_samples={N}", "sampling.seed=7"],
+         f"sampling.num_samples={N}", "sampling.seed=7", *extra],
         tmp / "run",
         timeout=600,
     )  # fmt: skip

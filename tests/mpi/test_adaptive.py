@@ -1,0 +1,43 @@
+"""decode.policy=adaptive under real mpirun: what the stages decide follows their measured costs
+and timings, so it differs from run to run, but what they commit never does. Greedy output equals
+AR at batch 1 and batched; sampled output follows the target's distribution at batch 1 and 4."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import launch_ok
+from sampling_stats import chi_square, exact_joint
+from test_batched import assert_all_equal_ar
+from test_sampling import sample_pairs
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("hier", ["tiny", pytest.param("tiny_suffix", marks=pytest.mark.long)])
+def test_adaptive_greedy_equals_ar_at_every_batch_size(tmp_path, hier):
+    recs = launch_ok(
+        3,
+        [f"hierarchy={hier}", "run.mode=benchmark", "run.batch_sizes=[1,4]", "decode.policy=adaptive",
+         "decode.max_new_tokens=32", "dataset.n_prompts=5"],
+        tmp_path,
+    )  # fmt: skip
+    assert_all_equal_ar(recs, {(m, b) for m in ("ar", "sd", "pipespec") for b in (1, 4)})
+    assert {r["policy"] for r in recs} == {"adaptive"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for stage in summary["pipespec"]["stages"]:
+        assert {"waits_chosen", "verify_cut", "drafts_held"} <= set(stage)
+    # verification happened under the policy, at batch 1 and batched
+    for b in (1, 4):
+        ps = [r for r in recs if r["method"] == "pipespec" and r["batch_size"] == b]
+        assert sum(r["stages"][-1]["verifications"] for r in ps) > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_adaptive_samples_follow_the_target_distribution(tmp_path, batch):
+    joint = exact_joint(1.0, 4, 1.0)
+    pairs = sample_pairs(tmp_path, "tiny", 3, 1.0, 4, 1.0, "leviathan",
+                         ("decode.policy=adaptive", f"decode.batch_size={batch}"))  # fmt: skip
+    stat, crit = chi_square(pairs, joint)
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f}: samples do not follow the target"
