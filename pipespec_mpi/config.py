@@ -183,8 +183,8 @@ class DecodeConfig:
 
     def for_batch(self, batch: int) -> DecodeConfig:
         """These settings for a stage of ``batch`` slots (``batch_verify_rows``)."""
-        if batch <= 1 or self.batch_verify_rows is None:
-            return self
+        if batch <= 1 or self.batch_verify_rows is None or self.policy == "adaptive":
+            return self  # adaptive: the slots share the rows by survival (stage/batch.py)
         return replace(self, max_verify=max(1, min(self.max_verify, self.batch_verify_rows // batch - 1)))
 
     def window(self, method: str) -> int:

@@ -107,6 +107,36 @@ def verify_length(accept: Sequence[float], cost: Sequence[float], pending: int) 
     return k
 
 
+def allot_rows(survivals: Sequence[Sequence[float]], budget: int) -> list[int]:
+    """A batched forward's row budget shared by its slots' verifications (TETRIS-style): every
+    forward keeps its own row (the correction or bonus), and the remaining ``budget`` rows go to
+    the (slot, position) pairs most likely to be committed, S_j = prod_{i<=j} a_i, a position only
+    after the one before it. ``survivals[i]``: S_1.. of slot i's proposal; returns how many of
+    them each slot verifies (0: a step of its own this time, its proposals kept for later)."""
+    extra = budget - len(survivals)
+    ranked = sorted(
+        ((s, j, i) for i, surv in enumerate(survivals) for j, s in enumerate(surv)),
+        key=lambda x: (-x[0], x[1], x[2]),
+    )
+    taken = [0] * len(survivals)
+    for _s, j, i in ranked:
+        if extra <= 0:
+            break
+        if j == taken[i]:  # the positions before it are taken: S falls with j, so mostly in order
+            taken[i] += 1
+            extra -= 1
+    return taken
+
+
+def survivals(accept: Sequence[float], n: int) -> list[float]:
+    """S_1..S_n: the chance that each of n proposals is committed by a verification."""
+    out, s = [], 1.0
+    for j in range(n):
+        s *= accept[j] if j < len(accept) else accept[-1]
+        out.append(s)
+    return out
+
+
 def draft_reach(survival: Sequence[float], threshold: float, most: int) -> int:
     """How far ahead of its verifier a drafter drafts: every distance d (1-based) up to the first
     whose survival q_d is below ``threshold``, that one included (so the boundary keeps being

@@ -12,6 +12,11 @@ batch.
 
 Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` would make; only
 when it happens changes, which the protocol already tolerates.
+
+Under ``decode.policy=adaptive`` the slots' verifications share one budget of
+``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most
+likely to be committed (``goodput.allot_rows``); a slot left with no rows takes a one-token step
+of its own this time and keeps its proposals (the static policy caps each slot at rows // B - 1).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pipespec_mpi.speculative.goodput import allot_rows, survivals
+from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock
 from pipespec_mpi.stage.process import StageProcess
@@ -67,6 +74,7 @@ class BatchedStage:
             elif s is not Step.WAITING:
                 moved = True
         if forwards:
+            forwards = self._allot(forwards)
             t0 = self.clock.now()
             logits = self.score([(slot.loop.model, f.seq, f.proposal) for slot, f in forwards])
             for (slot, f), rows in zip(forwards, logits, strict=True):
@@ -77,6 +85,24 @@ class BatchedStage:
         if all(self.done):
             return Step.DONE
         return Step.PROGRESS if moved else Step.WAITING
+
+    def _allot(self, forwards: list[tuple[StageProcess, Forward]]) -> list[tuple[StageProcess, Forward]]:
+        """Adaptive: cut the slots' verifications to the shared row budget, by survival."""
+        loop = forwards[0][0].loop
+        budget = loop.cfg.batch_verify_rows
+        if loop.est is None or budget is None or len(forwards) < 2:
+            return forwards
+        surv = [
+            survivals(slot.loop.est.acceptance(), len(f.proposal)) if f.act is Act.VERIFY else []
+            for slot, f in forwards
+        ]
+        out = []
+        for (slot, f), k in zip(forwards, allot_rows(surv, budget), strict=True):
+            if f.act is Act.VERIFY and k < len(f.proposal):
+                slot.loop.stats.verify_cut += 1
+                f = Forward(Act.VERIFY, f.seq, f.proposal[:k]) if k else Forward(Act.OWN, f.seq, [])
+            out.append((slot, f))
+        return out
 
     def describe(self) -> str:
         live = [f"slot {i}: {p.describe()}" for i, p in enumerate(self.slots) if not self.done[i]]

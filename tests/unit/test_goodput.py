@@ -10,9 +10,11 @@ from pipespec_mpi.config import DecodeConfig, validate_decode
 from pipespec_mpi.speculative.goodput import (
     MAX_POSITIONS,
     Estimates,
+    allot_rows,
     choose,
     draft_reach,
     expected_committed,
+    survivals,
     verify_length,
 )
 from pipespec_mpi.speculative.policy import Act, View, decide
@@ -201,3 +203,15 @@ def test_the_policy_keys_are_validated():
     for key in ("decode.policy='greedy-ish'", "decode.draft_survival=1.5", "decode.accept_prior=-0.1",
                 "decode.estimate_rate=0.0"):  # fmt: skip
         assert key in problems
+
+
+def test_a_batched_forward_shares_its_rows_by_survival():
+    good, poor = survivals([0.9] * 8, 6), survivals([0.3] * 8, 6)
+    assert good[0] == pytest.approx(0.9) and good[1] == pytest.approx(0.81)
+    # 2 forwards, 8 rows: 2 base rows, 6 extra: the likely positions first, whichever slot
+    assert allot_rows([good, poor], 8) == [6, 0]  # 0.9^6 = 0.53 > 0.3: the poor slot steps alone
+    assert allot_rows([good, poor], 9) == [6, 1]
+    assert allot_rows([good, poor], 100) == [6, 6]  # room for everything asked
+    assert allot_rows([good, poor, []], 3) == [0, 0, 0]  # no extra row: every slot steps alone
+    assert allot_rows([[], good], 4) == [0, 2]  # a slot with no proposal takes only its row
+    assert sum(allot_rows([good, poor, good], 9)) == 6
