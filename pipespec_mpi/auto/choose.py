@@ -228,6 +228,7 @@ class Option:
     speedup: float  # over AR at batch 1
     run_ahead: int = 0  # PipeSpec's max_run_ahead (0: the configured one)
     batch_size: int = 1
+    policy: str = "static"  # PipeSpec's decode.policy (adaptive: ``window`` is unused, 0)
 
 
 @dataclass(frozen=True)
@@ -276,15 +277,18 @@ def predict(
         if len(p) < 2 or len(p) > max_stages or rates(m, p) is None:
             continue
         names = tuple(m.stages[i] for i in p)
-        settings = [("sd", w, decode.max_run_ahead) for w in sd_windows]
-        settings += [("pipespec", w, r) for w in lookaheads for r in run_aheads]
-        for method, w, ahead in settings:
+        settings = [("sd", w, decode.max_run_ahead, "static") for w in sd_windows]
+        settings += [("pipespec", w, r, "static") for w in lookaheads for r in run_aheads]
+        settings += [("pipespec", 0, r, "adaptive") for r in run_aheads]  # speculative/goodput.py
+        for method, w, ahead, policy in settings:
             if w > decode.max_verify or w > ahead or (method == "sd" and w > decode.max_run_ahead):
                 continue
             key = "sd_window" if method == "sd" else "lookahead"
-            d = replace(decode, **{key: w, "max_run_ahead": ahead})
+            d = replace(decode, **{key: w, "max_run_ahead": ahead, "policy": policy})
             ms = simulated_ms(m, p, replace(base, method=method, decode=d), seeds)
-            options.append(Option(method, names, w, ms, ar_ms / ms, ahead if method == "pipespec" else 0))
+            options.append(
+                Option(method, names, w, ms, ar_ms / ms, ahead if method == "pipespec" else 0, policy=policy)
+            )
     options.sort(key=lambda o: o.ms_per_token)
     batched = []
     for b in sorted(set(batch_sizes) - {1}):
@@ -294,7 +298,8 @@ def predict(
         for o in tops.values():
             p = tuple(m.stages.index(name) for name in o.pipeline)
             key = "sd_window" if o.method == "sd" else "lookahead"
-            d = replace(decode, **{key: o.window, "max_run_ahead": o.run_ahead or decode.max_run_ahead})
+            d = replace(decode, **{key: o.window, "max_run_ahead": o.run_ahead or decode.max_run_ahead,
+                                   "policy": o.policy})  # fmt: skip
             run = replace(base, method=o.method, decode=d.for_batch(b), batch_size=b)
             ms = simulated_ms(m, p, run, seeds)
             batched.append(replace(o, ms_per_token=ms, speedup=ar_ms / ms, batch_size=b))
@@ -349,7 +354,8 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     if opt.method == "sd":
         decode = replace(decode, sd_window=opt.window)
     elif opt.method == "pipespec":
-        decode = replace(decode, lookahead=opt.window, max_run_ahead=opt.run_ahead or decode.max_run_ahead)
+        decode = replace(decode, lookahead=opt.window, max_run_ahead=opt.run_ahead or decode.max_run_ahead,
+                         policy=opt.policy)  # fmt: skip
     method = plan.chosen.method if cfg.run.mode == "single" else cfg.method
     if cfg.run.mode == "single":
         decode = replace(decode, batch_size=plan.chosen.batch_size)
@@ -365,13 +371,16 @@ def table(plan: Plan, top: int = 8) -> str:
     ]
     for o in plan.options[: top + 1]:
         mark = " <- chosen" if o == plan.chosen else ""
-        win = "-" if o.method == "ar" else str(o.window)
+        win = "-" if o.method == "ar" else "ad" if o.policy == "adaptive" else str(o.window)
         ahead = str(o.run_ahead) if o.run_ahead else "-"
         path = " -> ".join(o.pipeline)
         lines.append(
             f"{o.method:<9} {path:<58} {win:>3} {ahead:>5} {o.batch_size:>5} {o.ms_per_token:>9.2f}"
             f" {o.speedup:>6.2f}x{mark}"
         )
-    lines.append("ms/token of a batch: 1000 / tokens/s of all its sequences; vs AR: over AR at batch 1")
+    lines.append(
+        "ms/token of a batch: 1000 / tokens/s of all its sequences; vs AR: over AR at batch 1; "
+        "win ad: decode.policy=adaptive"
+    )
     lines.append(f"choice: {plan.reason}")
     return "\n".join(lines)

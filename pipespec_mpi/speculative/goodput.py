@@ -236,6 +236,16 @@ class Estimates:
                 out.append(self.cost[lo] + w * (self.cost[hi] - self.cost[lo]))
         return out
 
+    def snapshot(self, positions: int = 8) -> dict:
+        """What a record keeps of the estimates at the end of a prompt: c(k) for the measured
+        k, g, a_1.. and q_1.. of the first ``positions`` (rounded: for reading, not replaying)."""
+        return {
+            "cost_ms": {str(k): round(1000 * c, 3) for k, c in sorted(self.cost.items())},
+            "gap_ms": None if self.gap_s is None else round(1000 * self.gap_s, 3),
+            "accept": [round(a, 3) for a in self.acceptance()[:positions]],
+            "survival": [round(q, 3) for q in self.survival[:positions]],
+        }
+
     def gap(self, now: float) -> float | None:
         """g as seen now: a silence longer than the average counts (sunk time does not)."""
         if self.gap_s is None:

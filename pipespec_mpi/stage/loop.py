@@ -187,6 +187,8 @@ class StageLoop:
         self._close_wait(t)
         if not self.is_scorer and self.finish_reason != "idle":
             self.stats.drafter = self.model.end_sequence(self.out[: self._confirmed()])
+        if self.est is not None and self.finish_reason != "idle":
+            self.stats.policy_state = self.est.snapshot()
         self._publish(done=True)
         return StageOutcome(list(self.out), self.finish_reason or "done", t - self.t_start, self.stats)
 

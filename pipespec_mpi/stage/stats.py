@@ -29,6 +29,7 @@ class StageStats:
     waits_chosen: int = 0
     verify_cut: int = 0
     drafts_held: int = 0
+    policy_state: dict = field(default_factory=dict)  # adaptive: its estimates at the end (goodput.py)
     busy_s: float = 0.0
     wait_s: float = 0.0
     read_s: float = 0.0  # in epochs-window reads (a passive-target RMA read waits for a busy owner)
