@@ -291,6 +291,9 @@ class ChaosEstimates(Estimates):
     def gap(self, now: float) -> float | None:
         return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
 
+    def wait_gap(self, now: float) -> float | None:
+        return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
+
     @property
     def survival(self) -> list[float]:
         return [self.rng.random() for _ in range(MAX_POSITIONS)]

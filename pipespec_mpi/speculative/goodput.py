@@ -6,19 +6,23 @@ Notation (one stage, its upstream pair u -> s and its downstream pair s -> d):
   E(k)     expected tokens s commits verifying k proposals: 1 + sum_{j<=k} prod_{i<=j} a_i (the
            1 is the correction or the bonus token, always committed); E(0) = 1 is an own step
   c(k)     seconds of a forward of s verifying k proposals (k + 1 rows); c(0) an own step
-  g        seconds per proposal token arriving from u (its delivery rate, 1/g tokens/s)
+  g        seconds per proposal token arriving from u while s computes (its delivery rate)
+  g_w      the same while s waits: on shared cores u then has more of them (on the 2-core EPYC
+           the middle stage's int8 steps run about as fast as the target's, 76 ms, while both
+           compute), so waiting can pay where the rate measured beside a forward says it cannot
   q_d      the chance that a token s commits d tokens ahead of d's committed length is kept
            by d (not thrown away by a rollback): the drafter side's survival by distance
 
 A verifier with p proposals pending verifies them all but a tail whose rows do not pay for
 themselves (``verify_length``), and chooses the action of the highest rate (tokens per second):
   verify k now       E(k) / c(k)
-  wait for m > p     E(m) / ((m - p) g + c(m))            (only while u can deliver)
+  wait for m > p     E(m) / ((m - p) g_w + c(m))          (only while u can deliver)
   own step (p = 0)   (1 + E(m')) / (c(0) + c(m')),  m' = floor(c(0) / g) - 1
 The own step is costed as a two-forward plan: u keeps drafting during it, so the step is followed
 by a verification of what arrived meanwhile (less the position the step itself committed). Sunk
-time never counts: the wait's rate uses g_eff = max(g, seconds since the last arrival), so a wait
-on a stalled upstream stops paying and the verifier steps on its own. A drafter (any stage but
+time never counts: the wait's rate uses max(g_w, seconds since the last arrival or the end of the
+last forward, whichever came later), so a wait on a stalled upstream stops paying and the verifier
+steps on its own. A drafter (any stage but
 the last) drafts position d ahead of its verifier only while q_d >= ``decode.draft_survival``:
 a token more likely thrown away than kept costs compute (on shared cores, its neighbours') and
 delays its reaction to the next rollback.
@@ -41,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
-MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
+MAX_POSITIONS = 65
+OPTIMISM = 0.5  # g_w before any wait was measured, as a share of g (so that one wait is tried)  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
 
 
 def expected_committed(accept: Sequence[float], k: int) -> float:
@@ -69,11 +74,14 @@ def choose(
     limit: int,
     most_wait: int,
     gap_s: float | None,
+    wait_gap_s: float | None = None,
 ) -> Choice:
     """The verifier's rate-maximising action (see the module's notation). ``cost[k]`` = c(k) for
     k in 0..limit; ``limit``: most proposals one verification may take; ``most_wait``: most
     proposals worth waiting for (0 when the upstream cannot deliver more); ``gap_s``: g, or None
-    when unknown (then no waiting)."""
+    when unknown (then no waiting); ``wait_gap_s``: g_w (None: g)."""
+    if wait_gap_s is None:
+        wait_gap_s = gap_s
     p = min(pending, limit)
     if p == 0:
         m1 = 0
@@ -83,9 +91,9 @@ def choose(
     else:
         k = verify_length(accept, cost, p)
         best = Choice("verify", k, expected_committed(accept, k) / cost[k])
-    if gap_s is not None and gap_s < math.inf:
+    if wait_gap_s is not None and wait_gap_s < math.inf:
         for m in range(p + 1, min(limit, most_wait) + 1):
-            r = expected_committed(accept, m) / ((m - p) * gap_s + cost[m])
+            r = expected_committed(accept, m) / ((m - p) * wait_gap_s + cost[m])
             if r > best.rate:
                 best = Choice("wait", m, r)
     return best
@@ -159,8 +167,11 @@ class Estimates:
         # positions it no longer tries: acceptance rarely falls steeply with the position)
         self.survival = [1.0] * MAX_POSITIONS
         self.cost: dict[int, float] = {}  # k -> c(k), measured
-        self.gap_s: float | None = None
+        self.gap_s: float | None = None  # g: arrivals over a span in which this stage computed
+        self.wait_gap_s: float | None = None  # g_w: over a span in which it only waited
         self.last_arrival: float | None = None
+        self.computed = False  # a forward ran since the last arrival
+        self.free_since: float | None = None  # the end of the last forward
 
     def _ema(self, old: float, new: float) -> float:
         return old + self.rate * (new - old)
@@ -182,8 +193,11 @@ class Estimates:
         for j in range(min(accepted + 1, n, self.seen), self.seen):
             self.accept[j] += 0.5 * self.rate * (self.pooled - self.accept[j])
 
-    def forward(self, k: int, seconds: float) -> None:
-        """A forward verifying k proposals (0: an own or draft step) took ``seconds``."""
+    def forward(self, k: int, seconds: float, end: float | None = None) -> None:
+        """A forward verifying k proposals (0: an own or draft step) took ``seconds``, ending at
+        ``end`` on the stage's clock."""
+        self.computed = True
+        self.free_since = end
         seconds = max(seconds, MIN_COST_S)
         old = self.cost.get(k)
         self.cost[k] = seconds if old is None else self._ema(old, seconds)
@@ -194,8 +208,12 @@ class Estimates:
             return
         if self.last_arrival is not None:
             g = max(0.0, now - self.last_arrival) / n_tokens
-            self.gap_s = g if self.gap_s is None else self._ema(self.gap_s, g)
+            if self.computed:
+                self.gap_s = g if self.gap_s is None else self._ema(self.gap_s, g)
+            else:
+                self.wait_gap_s = g if self.wait_gap_s is None else self._ema(self.wait_gap_s, g)
         self.last_arrival = now
+        self.computed = False
 
     def restarted(self, now: float) -> None:
         """The upstream's proposals were dropped (a rollback): it starts again from ``now``."""
@@ -242,13 +260,27 @@ class Estimates:
         return {
             "cost_ms": {str(k): round(1000 * c, 3) for k, c in sorted(self.cost.items())},
             "gap_ms": None if self.gap_s is None else round(1000 * self.gap_s, 3),
+            "wait_gap_ms": None if self.wait_gap_s is None else round(1000 * self.wait_gap_s, 3),
             "accept": [round(a, 3) for a in self.acceptance()[:positions]],
             "survival": [round(q, 3) for q in self.survival[:positions]],
         }
 
     def gap(self, now: float) -> float | None:
-        """g as seen now: a silence longer than the average counts (sunk time does not)."""
-        if self.gap_s is None:
+        """g (None until two arrivals were seen)."""
+        return self.gap_s if self.gap_s is not None else self.wait_gap_s
+
+    def wait_gap(self, now: float) -> float | None:
+        """g_w as seen now (``OPTIMISM`` g until a wait was measured, at most g after): a
+        silence longer than the average counts, from the last arrival or the end of the last
+        forward (sunk time does not)."""
+        if self.gap_s is None and self.wait_gap_s is None:
             return None
-        since = now - self.last_arrival if self.last_arrival is not None else 0.0
-        return max(self.gap_s, since)
+        if self.wait_gap_s is None:  # optimistic until a wait was measured: one wait measures it
+            g = OPTIMISM * self.gap_s
+        elif self.gap_s is None:
+            g = self.wait_gap_s
+        else:  # waiting never slows the upstream: a higher g_w is noise
+            g = min(self.wait_gap_s, self.gap_s)
+        marks = [x for x in (self.last_arrival, self.free_since) if x is not None]
+        since = now - max(marks) if marks else 0.0
+        return max(g, since)

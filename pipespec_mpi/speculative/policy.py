@@ -123,7 +123,8 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
             return Decision(Act.OWN)
         est = v.estimates
         most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
-        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(v.now))
+        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(v.now),
+                   est.wait_gap(v.now))  # fmt: skip
         if c.act == "verify":
             return Decision(Act.VERIFY, n=c.n)
         if c.act == "own":

@@ -228,8 +228,10 @@ class StageLoop:
         self.want, self.idle = d.want, d.idle
         t = self.clock.now()
         self.recheck_at = None
-        if d.act is Act.WAIT and d.upstream_matters and self.est is not None and self.est.gap_s is not None:
-            self.recheck_at = t + max(self.est.gap_s, 1e-4)
+        if d.act is Act.WAIT and d.upstream_matters and self.est is not None:
+            g = self.est.wait_gap_s if self.est.wait_gap_s is not None else self.est.gap_s
+            if g is not None:
+                self.recheck_at = t + max(g, 1e-4)
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._close_wait(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
@@ -297,7 +299,7 @@ class StageLoop:
         t1 = self.clock.now()
         self.stats.forward_calls += 1
         if self.est is not None:
-            self.est.forward(0, t1 - t0)
+            self.est.forward(0, t1 - t0, t1)
         self._commit([drawn.token], t1 - t0, [drawn.dist])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "draft":
@@ -334,7 +336,7 @@ class StageLoop:
         self.stats.verify_trace.append([n, verdict.n_accepted])
         if self.est is not None:
             self.est.verified(n, verdict.n_accepted)
-            self.est.forward(n, t1 - t0)
+            self.est.forward(n, t1 - t0, t1)
         self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
