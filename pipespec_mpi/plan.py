@@ -70,6 +70,7 @@ class Candidate:
     lookahead: int
     ms_per_token: float
     speedup: float = float("nan")
+    policy: str = "static"  # PipeSpec's decode.policy (adaptive: the lookahead is unused)
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -254,6 +255,9 @@ def evaluate(
                 cfg = replace(base, method=method, decode=replace(decode, **window))
                 ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
                 cands.append(Candidate(method, models, la, ms, ar_ms / ms))
+        cfg = replace(base, method="pipespec", decode=replace(decode, policy="adaptive"))
+        ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
+        cands.append(Candidate("pipespec", models, 0, ms, ar_ms / ms, policy="adaptive"))
     return cands
 
 
@@ -298,6 +302,8 @@ def overrides(c: Candidate, inp: PlanInputs) -> str:
     parts = [f"method={c.method}"]
     if c.method == "sd":
         parts.append(f"decode.sd_window={c.lookahead}")
+    elif c.policy == "adaptive":
+        parts.append("decode.policy=adaptive")
     elif c.method == "pipespec":
         parts.append(f"decode.lookahead={c.lookahead}")
     defs = inp.stage_defs
@@ -331,7 +337,7 @@ def table(picked: Mapping[str, Sequence[Candidate]], inp: PlanInputs) -> str:
     ]
     for m, cs in picked.items():
         for c in cs:
-            la = "-" if m == "ar" else str(c.lookahead)
+            la = "-" if m == "ar" else "ad" if c.policy == "adaptive" else str(c.lookahead)
             lines.append(
                 f"{m:<9} {' -> '.join(c.models):<40} {la:>3} {c.ms_per_token:>9.2f} {c.speedup:>7.2f}x"
             )
@@ -410,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "method": c.method,
                 "models": list(c.models),
                 "lookahead": c.lookahead,
+                "policy": c.policy,
                 "ms_per_token": c.ms_per_token,
                 "speedup": c.speedup,
                 "overrides": overrides(c, inp),

@@ -45,8 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
-MAX_POSITIONS = 65
-OPTIMISM = 0.5  # g_w before any wait was measured, as a share of g (so that one wait is tried)  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
+MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
+OPTIMISM = 0.5  # g_w before any wait was measured, as a share of g (so that one wait is tried)
 
 
 def expected_committed(accept: Sequence[float], k: int) -> float:
