@@ -232,7 +232,9 @@ def evaluate(
     transitive: bool = False,
 ) -> list[Candidate]:
     """Every candidate, with its predicted ms/token and speedup over AR of the target."""
-    decode = DecodeConfig(max_new_tokens=n_tokens, max_run_ahead=max_run_ahead, max_verify=max_verify)
+    decode = DecodeConfig(
+        max_new_tokens=n_tokens, max_run_ahead=max_run_ahead, max_verify=max_verify, policy="static"
+    )
     base = sim.SimConfig(
         decode=decode,
         latency_s=inp.latency_s,

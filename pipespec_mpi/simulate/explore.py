@@ -144,6 +144,7 @@ class Scenario:
             max_new_tokens=rng.randint(3, 24),
             max_run_ahead=rng.choice([x for x in (1, 2, 3, 4, 6, 8, 16) if x >= w]),
             max_verify=rng.choice((w, w + 1, max(w, 4), 16)),
+            policy="static",  # the "-adaptive" families set their own, below
         )
         fixed = {**(PRESETS[preset] if preset else {}), **fixed}
         k = fixed.get("k", k)
@@ -223,7 +224,10 @@ class Scenario:
 # the Slurm sweep test that once stalled (tiny hierarchy, lookahead 2, max_run_ahead 8, 16 tokens).
 PRESETS: dict[str, dict] = {
     "slurm-sweep": dict(
-        k=3, lookup=False, n_prompts=2, decode=DecodeConfig(lookahead=2, max_run_ahead=8, max_new_tokens=16)
+        k=3,
+        lookup=False,
+        n_prompts=2,
+        decode=DecodeConfig(lookahead=2, max_run_ahead=8, max_new_tokens=16, policy="static"),
     ),
 }
 
