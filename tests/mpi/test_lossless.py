@@ -69,7 +69,8 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
     recs = launch_ok(
         n,
         [f"hierarchy={hier}", "run.mode=benchmark", f"run.methods={methods}", f"decode.lookahead={lookahead}",
-         f"transport.kind={transport}", f"decode.max_new_tokens={max_new}", "dataset.n_prompts=3"],
+         f"transport.kind={transport}", f"decode.max_new_tokens={max_new}", "dataset.n_prompts=3",
+         "decode.policy=static"],  # the fixed lookaheads' paths (adaptive: tests/mpi/test_adaptive.py)
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, methods.strip("[]").split(","))
@@ -124,7 +125,7 @@ def test_rma_epochs_window_is_lossless_too(tmp_path):
     recs = launch_ok(
         3,
         ["hierarchy=tiny", "run.mode=benchmark", f"run.methods={methods}", "decode.lookahead=2",
-         "decode.max_new_tokens=40", "dataset.n_prompts=2", "run.epochs_window=rma"],
+         "decode.max_new_tokens=40", "dataset.n_prompts=2", "run.epochs_window=rma", "decode.policy=static"],
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, ["ar", "sd", "pipespec"])
@@ -143,7 +144,7 @@ def test_the_slurm_sweep_configuration_never_stalls(tmp_path, attempt):
         3,
         ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=12", "decode.max_new_tokens=16",
          "decode.lookahead=2", "decode.max_run_ahead=8", "run.mode=benchmark", "run.stall_timeout_s=20",
-         f"dataset.seed={attempt}"],
+         f"dataset.seed={attempt}", "decode.policy=static"],
         tmp_path,
     )  # fmt: skip
     _check_equal(recs, methods)

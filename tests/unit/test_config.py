@@ -129,10 +129,11 @@ def test_batch_sizes_are_checked_with_their_keys():
 
 
 def test_a_batched_stage_verifies_within_its_row_budget():
-    d = DecodeConfig()  # max_verify 16, batch_verify_rows 16
+    d = DecodeConfig(policy="static")  # max_verify 16, batch_verify_rows 16
     assert d.for_batch(1) is d
     assert [d.for_batch(b).max_verify for b in (2, 4, 8, 16)] == [7, 3, 1, 1]
-    assert DecodeConfig(batch_verify_rows=None).for_batch(8).max_verify == 16
-    assert DecodeConfig(max_verify=2).for_batch(2).max_verify == 2
+    assert DecodeConfig(batch_verify_rows=None, policy="static").for_batch(8).max_verify == 16
+    assert DecodeConfig(max_verify=2, policy="static").for_batch(2).max_verify == 2
+    assert DecodeConfig().for_batch(8).max_verify == 16  # adaptive: the slots share the rows instead
     with pytest.raises(ConfigError, match="decode.batch_verify_rows=1"):
         compose_config(["decode.batch_verify_rows=1"])

@@ -162,7 +162,7 @@ def test_an_adaptive_drafter_is_held_by_survival_and_says_it_is_idle():
                        draft_survival=0.0)  # fmt: skip
     assert decide(view(est, committed=7, **drafter), off).act is Act.DRAFT
     # the static policy never looks at estimates
-    static = DecodeConfig(lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8)
+    static = DecodeConfig(lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8, policy="static")
     assert decide(view(est, committed=7, **drafter), static).act is Act.DRAFT
 
 

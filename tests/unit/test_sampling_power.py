@@ -32,8 +32,9 @@ def tiny_parts(wrap=None) -> Parts:
 def samples(coupling: str, broken: bool) -> list[tuple]:
     # a random schedule of a brisk pipeline (the adversarial ones are the explorer's own runs)
     sc = Scenario.draw(f"pipespec-{coupling}", 7, k=3, lookup=False, n_prompts=N, top_k=4,
-                       decode=DecodeConfig(lookahead=2, max_new_tokens=2), gate_delay=0, handoff_delay=0,
-                       p_deliver=1.0, starve=False, bursts=False, stop_before=None)  # fmt: skip
+                       decode=DecodeConfig(lookahead=2, max_new_tokens=2, policy="static"), gate_delay=0,
+                       handoff_delay=0, p_deliver=1.0, starve=False, bursts=False,
+                       stop_before=None)  # fmt: skip
     world = World(sc, tiny_parts(AcceptAll if broken else None))
     found = world.run()
     assert found.verdict in (("ok", "mismatch") if broken else ("ok",)), found

@@ -30,7 +30,7 @@ DECODE_KEYS = ("lookahead", "max_new_tokens", "max_run_ahead", "max_verify")
 
 def cfg(**kw) -> SimConfig:
     """A SimConfig from flat keywords: the stage loop's own settings go to ``decode``."""
-    dec = dict(max_new_tokens=100, max_run_ahead=16, max_verify=16, sd_window=None)
+    dec = dict(max_new_tokens=100, max_run_ahead=16, max_verify=16, sd_window=None, policy="static")
     dec.update({k: kw.pop(k) for k in DECODE_KEYS if k in kw})
     return SimConfig(**{"include_prefill": False, **kw, "decode": DecodeConfig(**dec)})
 
@@ -226,7 +226,7 @@ def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True) -> Pat
     results = []
     for method, look in (("ar", 0), ("sd", 3), ("pipespec", 2)):
         for seed in range(3):
-            dec = DecodeConfig(lookahead=look, max_new_tokens=64, sd_window=None)
+            dec = DecodeConfig(lookahead=look, max_new_tokens=64, sd_window=None, policy="static")
             c = SimConfig(method=method, decode=dec, prompt_len=40, latency_s=0.4 * MS,
                           blocking_reads=blocking, record_timeline=True, seed=seed)  # fmt: skip
             results.append(simulate([draft, target], [0.75], c))
