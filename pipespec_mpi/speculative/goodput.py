@@ -269,18 +269,19 @@ class Estimates:
         """g (None until two arrivals were seen)."""
         return self.gap_s if self.gap_s is not None else self.wait_gap_s
 
-    def wait_gap(self, now: float) -> float | None:
-        """g_w as seen now (``OPTIMISM`` g until a wait was measured, at most g after): a
-        silence longer than the average counts, from the last arrival or the end of the last
-        forward (sunk time does not)."""
-        if self.gap_s is None and self.wait_gap_s is None:
-            return None
+    def expected_wait_gap(self) -> float | None:
+        """g_w: ``OPTIMISM`` g until a wait was measured, at most g after (waiting never slows
+        the upstream: a higher g_w is noise); None until any gap was measured."""
         if self.wait_gap_s is None:  # optimistic until a wait was measured: one wait measures it
-            g = OPTIMISM * self.gap_s
-        elif self.gap_s is None:
-            g = self.wait_gap_s
-        else:  # waiting never slows the upstream: a higher g_w is noise
-            g = min(self.wait_gap_s, self.gap_s)
+            return None if self.gap_s is None else OPTIMISM * self.gap_s
+        return self.wait_gap_s if self.gap_s is None else min(self.wait_gap_s, self.gap_s)
+
+    def wait_gap(self, now: float) -> float | None:
+        """g_w as seen now: a silence longer than the average counts, from the last arrival or
+        the end of the last forward (sunk time does not)."""
+        g = self.expected_wait_gap()
+        if g is None:
+            return None
         marks = [x for x in (self.last_arrival, self.free_since) if x is not None]
         since = now - max(marks) if marks else 0.0
         return max(g, since)

@@ -229,7 +229,7 @@ class StageLoop:
         t = self.clock.now()
         self.recheck_at = None
         if d.act is Act.WAIT and d.upstream_matters and self.est is not None:
-            g = self.est.wait_gap_s if self.est.wait_gap_s is not None else self.est.gap_s
+            g = self.est.expected_wait_gap()  # the next proposal is due then
             if g is not None:
                 self.recheck_at = t + max(g, 1e-4)
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
