@@ -34,7 +34,9 @@ def test_adaptive_greedy_equals_ar_at_every_batch_size(tmp_path, hier):
         assert sum(r["stages"][-1]["verifications"] for r in ps) > 0
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+# batch 1 in the long tier: CI's sampling cases (tests/mpi/test_sampling.py) run under the adaptive
+# default at batch 1 already
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.long), 4])
 def test_adaptive_samples_follow_the_target_distribution(tmp_path, batch):
     joint = exact_joint(1.0, 4, 1.0)
     pairs = sample_pairs(tmp_path, "tiny", 3, 1.0, 4, 1.0, "leviathan",
