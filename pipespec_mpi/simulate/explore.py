@@ -292,7 +292,7 @@ class ChaosEstimates(Estimates):
         c0, slope = self.rng.choice((1e-3, 1.0, 100.0)), self.rng.choice((0.0, 0.05, 1.0))
         return [c0 * (1 + slope * k) for k in range(limit + 1)]
 
-    def gap(self, now: float) -> float | None:
+    def gap(self) -> float | None:
         return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
 
     def wait_gap(self, now: float) -> float | None:

@@ -22,10 +22,10 @@ The own step is costed as a two-forward plan: u keeps drafting during it, so the
 by a verification of what arrived meanwhile (less the position the step itself committed). Sunk
 time never counts: the wait's rate uses max(g_w, seconds since the last arrival or the end of the
 last forward, whichever came later), so a wait on a stalled upstream stops paying and the verifier
-steps on its own. A drafter (any stage but
-the last) drafts position d ahead of its verifier only while q_d >= ``decode.draft_survival``:
-a token more likely thrown away than kept costs compute (on shared cores, its neighbours') and
-delays its reaction to the next rollback.
+steps on its own. With ``decode.draft_survival`` set, a model drafter (any model stage but the
+last) drafts position d ahead of its verifier only while q_d >= it: a token more likely thrown
+away than kept costs compute (on shared cores, its neighbours') and delays its reaction to the
+next rollback.
 
 Every estimate is an exponential average (weight ``rate``) that starts from a prior: acceptance
 ``accept_prior`` (a position first observed starts from the one before it, one never observed
@@ -78,8 +78,9 @@ def choose(
 ) -> Choice:
     """The verifier's rate-maximising action (see the module's notation). ``cost[k]`` = c(k) for
     k in 0..limit; ``limit``: most proposals one verification may take; ``most_wait``: most
-    proposals worth waiting for (0 when the upstream cannot deliver more); ``gap_s``: g, or None
-    when unknown (then no waiting); ``wait_gap_s``: g_w (None: g)."""
+    proposals worth waiting for (0 when the upstream cannot deliver more); ``gap_s``: g (None:
+    unknown, then the own step is costed alone); ``wait_gap_s``: g_w (None: g; both None: no
+    waiting)."""
     if wait_gap_s is None:
         wait_gap_s = gap_s
     p = min(pending, limit)
@@ -106,9 +107,7 @@ def verify_length(accept: Sequence[float], cost: Sequence[float], pending: int) 
     memory-bound GPU) that is every pending proposal; where each row costs (a compute-bound CPU)
     the verification stops where survival falls below the row's share of a step. A proposal not
     verified now is not lost: the next verification takes it, so only the tail is cut."""
-    survive = [1.0]
-    for j in range(pending):
-        survive.append(survive[-1] * (accept[j] if j < len(accept) else accept[-1]))
+    survive = [1.0, *survivals(accept, pending)]
     k = pending
     while k > 1 and survive[k] * cost[0] < cost[k] - cost[k - 1]:
         k -= 1
@@ -265,7 +264,7 @@ class Estimates:
             "survival": [round(q, 3) for q in self.survival[:positions]],
         }
 
-    def gap(self, now: float) -> float | None:
+    def gap(self) -> float | None:
         """g (None until two arrivals were seen)."""
         return self.gap_s if self.gap_s is not None else self.wait_gap_s
 

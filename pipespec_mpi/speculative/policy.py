@@ -13,10 +13,10 @@
                           pending, else step on its own
   ar                      the last stage steps alone
   adaptive (decode.policy) PipeSpec's verifiers choose verify-k / wait / own step by expected
-                          tokens per second, and every drafter stops where its tokens are more
-                          likely thrown away than kept (speculative/goodput.py); a drafter held so
-                          says it is idle, so that no verifier waits for it. The fixed settings
-                          stay as bounds
+                          tokens per second (speculative/goodput.py); with decode.draft_survival
+                          set, a model drafter stops where its tokens are more likely thrown away
+                          than kept and says it is idle, so that no verifier waits for it. The
+                          fixed settings stay as bounds
 A verifier commits up to n + 1 tokens for n verified: the last stage keeps that within
 ``max_new_tokens``, the others may overshoot their room by the bonus token.
 """
@@ -123,7 +123,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
             return Decision(Act.OWN)
         est = v.estimates
         most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
-        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(v.now),
+        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(),
                    est.wait_gap(v.now))  # fmt: skip
         if c.act == "verify":
             return Decision(Act.VERIFY, n=c.n)

@@ -108,14 +108,14 @@ def test_costs_are_measured_and_interpolated_and_gaps_count_a_silence():
     est.forward(0, 0.02)
     est.forward(4, 0.04)
     assert est.costs(6) == pytest.approx([0.02, 0.025, 0.03, 0.035, 0.04, 0.04, 0.04])
-    assert est.gap(5.0) is None and est.wait_gap(5.0) is None
+    assert est.gap() is None and est.wait_gap(5.0) is None
     est.arrived(0.9, 1)
     est.forward(0, 0.05, end=1.0)
     est.arrived(1.0, 2)  # 2 tokens in 0.1 s, while this stage computed: g
-    assert est.gap(1.0) == pytest.approx(0.05)
+    assert est.gap() == pytest.approx(0.05)
     assert est.wait_gap(1.0) == pytest.approx(0.025)  # optimistic until a wait was measured
     est.arrived(1.02, 2)  # 2 tokens in 0.02 s while it waited: g_w (shared cores: faster)
-    assert est.gap(1.02) == pytest.approx(0.05) and est.wait_gap(1.02) == pytest.approx(0.01)
+    assert est.gap() == pytest.approx(0.05) and est.wait_gap(1.02) == pytest.approx(0.01)
     assert est.wait_gap(2.02) == pytest.approx(1.0)  # silent for 1 s: waiting no longer looks cheap
     est.forward(1, 0.5, end=3.0)
     assert est.wait_gap(3.001) == pytest.approx(0.01)  # the silence counts from the forward's end
@@ -123,7 +123,7 @@ def test_costs_are_measured_and_interpolated_and_gaps_count_a_silence():
     assert est.wait_gap(4.001) == pytest.approx(0.01)
     est.arrived(4.5, 1)  # a slow one while waiting (noise): g_w is never above g
     est.arrived(5.5, 1)
-    assert est.wait_gap(5.5) == pytest.approx(est.gap(5.5))
+    assert est.wait_gap(5.5) == pytest.approx(est.gap())
 
 
 def test_survival_by_distance():
