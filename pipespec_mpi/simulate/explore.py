@@ -60,9 +60,10 @@ RULES = ("greedy", "gumbel", "leviathan")
 # "-suffix": stage 0 is the real suffix drafter (models/suffix.py; a batched stage's slots share its
 # store) and whether its verifier waits for it (decode.wait_for_drafter) is drawn; families of
 # their own, so that every seed of the older families keeps its scenario
-# "-adaptive": PipeSpec under decode.policy=adaptive (speculative/goodput.py), its estimates fed by
-# the explorer's tick clock, so that waits, cut verifications and held drafters follow the schedule;
-# slots, the suffix drafter, budgets and the policy's own settings drawn apart
+# "-adaptive": PipeSpec under decode.policy=adaptive (speculative/goodput.py), its estimates learned
+# on drifting clocks (DriftClock) or drawn anew at every decision (ChaosEstimates), so that waits,
+# cut verifications and held drafters follow the seed; slots, the suffix drafter, budgets and the
+# policy's own settings drawn apart
 FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES) + tuple(
     f"pipespec-{r}-adaptive" for r in RULES
 )
