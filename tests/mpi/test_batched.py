@@ -86,8 +86,9 @@ def test_slots_links_stay_apart_under_leviathan_sampling(tmp_path, transport):
     proposals on the link: the adaptive one may rightly give the tiny drafts no rows at all."""
     recs = launch_ok(
         3,
-        ["hierarchy=tiny", "method=pipespec", "decode.policy=static", "decode.batch_size=3", f"transport.kind={transport}",
-         "sampling.temperature=1.0", "decode.max_new_tokens=16", "dataset.n_prompts=5", "decode.lookahead=2"],
+        ["hierarchy=tiny", "method=pipespec", "decode.policy=static", "decode.batch_size=3",
+         f"transport.kind={transport}", "sampling.temperature=1.0", "decode.max_new_tokens=16",
+         "dataset.n_prompts=5", "decode.lookahead=2"],
         tmp_path,
     )  # fmt: skip
     assert len(recs) == 5 and {r["slot"] for r in recs} == {0, 1, 2}
