@@ -3,7 +3,7 @@
     .venv/bin/mpirun -n 2 .venv/bin/python bench/comm_latency.py [--iters 2000]
     .venv/bin/python bench/comm_latency.py --bed 0,0.1,1      # root: across two hosts of the bed
 
-With ``--bed`` the two ranks run on two hosts of the multi-host bed (pipespec_mpi/netbed.py), once
+With ``--bed`` the two ranks run on two hosts of the multi-host bed (tests/multihost/netbed.py), once
 per added one-way delay, and the windows that work across nodes (push, rma) are also timed the
 way a stage sees them: the owner computes 20 ms "forwards" without entering MPI and publishes
 after each; the reader reads every 0.1 ms and records what each read costs it and how long after
@@ -21,14 +21,15 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
 from pipespec_mpi.comm.bootstrap import init_torch_distributed, world_info
 from pipespec_mpi.comm.channel import open_receiver, open_sender
-from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+from pipespec_mpi.stage.wait import wait_until
 
 
 def wait(cond, what):
@@ -136,7 +137,8 @@ def visibility(win, versions: int, forward_ms: float) -> tuple[float, float, flo
 
 def on_bed(delays: list[float], iters: int) -> None:
     """Run this benchmark across two hosts of a bed, once per one-way delay."""
-    from pipespec_mpi import netbed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multihost"))
+    import netbed  # the bed: tests/multihost/netbed.py
 
     why = netbed.problem()
     if why:

@@ -3,7 +3,7 @@ pipeline on one host: what crossing an interconnect costs the loop.
 
     .venv/bin/python bench/cross_node.py [--delays 0.1,1] [--prompts 4] [--tokens 64] [OVERRIDES]
 
-Runs (root; pipespec_mpi/netbed.py): one host (shared-memory epochs); then for each one-way delay
+Runs (root; tests/multihost/netbed.py): one host (shared-memory epochs); then for each one-way delay
 two bed hosts, stages 0-1 on one and the target on the other, with the pushed epochs window (the
 default across nodes) and the RMA window. Each run is ``run.mode=benchmark`` (AR and PipeSpec
 interleaved) on held-out HumanEval prompts (dataset.seed=7). Printed per run: ms/token of both,
@@ -26,8 +26,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "multihost"))  # the bed: tests/multihost/netbed.py
 
-from pipespec_mpi import netbed  # noqa: E402
+import netbed  # noqa: E402
+
 from pipespec_mpi.records import read_records  # noqa: E402
 
 

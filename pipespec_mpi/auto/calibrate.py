@@ -1,6 +1,6 @@
 """Measure (or read from the cache) and choose: what ``hierarchy=auto`` and ``plan --measure`` do.
 
-No MPI here: the job's rank 0 calls ``calibrate`` and broadcasts the plan (run/auto_job.py).
+No MPI here: the job's rank 0 calls ``calibrate`` and broadcasts the plan (auto/job.py).
 """
 
 from __future__ import annotations

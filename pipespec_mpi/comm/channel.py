@@ -25,9 +25,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
+
+from pipespec_mpi.stage.ports import Proposal
 
 META = 4
 CLOSE = -1
@@ -37,15 +38,6 @@ TAG = 7
 def slot_tag(slot: int) -> int:
     """The tag of a batched-decoding slot's link (slot 0: ``TAG``, as without batching)."""
     return TAG + 16 * slot
-
-
-@dataclass(frozen=True)
-class Proposal:
-    prompt: int
-    epoch: int
-    start: int
-    tokens: list[int]
-    dists: np.ndarray | None = None  # [count, V] float32: the distribution each token was drawn from
 
 
 def buffer_words(max_msg_tokens: int, dist_width: int) -> int:

@@ -34,9 +34,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
+
+from pipespec_mpi.stage.ports import Header
 
 HEADER = 8
 PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE = range(6)
@@ -48,19 +49,10 @@ def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-@dataclass(frozen=True)
-class Header:
-    prompt: int
-    epoch: int
-    length: int
-    done: bool
-    want: int
-    idle: bool
-
-    @classmethod
-    def of(cls, raw: np.ndarray) -> Header:
-        return cls(int(raw[PROMPT]), int(raw[EPOCH]), int(raw[LENGTH]), bool(raw[DONE]),
-                   int(raw[WANT]), bool(raw[IDLE]))  # fmt: skip
+def read_header(raw: np.ndarray) -> Header:
+    """The header fields of a window's raw int64 words."""
+    return Header(int(raw[PROMPT]), int(raw[EPOCH]), int(raw[LENGTH]), bool(raw[DONE]),
+                  int(raw[WANT]), bool(raw[IDLE]))  # fmt: skip
 
 
 def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty_from: int, header) -> None:
@@ -124,7 +116,7 @@ class EpochWindow:
         MPI = self._MPI
         with self.locked(rank):
             self.win.Get(self._hdr, rank, target=(0, HEADER, MPI.INT64_T))
-        return Header.of(self._hdr)
+        return read_header(self._hdr)
 
     def snapshot(self, rank: int) -> tuple[Header, list[int]]:
         """Header and all committed tokens of ``rank``, read consistently under one lock."""
@@ -136,7 +128,7 @@ class EpochWindow:
             buf = np.empty(max(n, 1), dtype=np.int64)
             if n:
                 self.win.Get(buf[:n], rank, target=(HEADER, n, MPI.INT64_T))
-        return Header.of(self._hdr), buf[:n].tolist()
+        return read_header(self._hdr), buf[:n].tolist()
 
     def beat(self) -> None:
         """Refresh this rank's heartbeat (a single aligned int64 store)."""
@@ -216,7 +208,7 @@ class SharedEpochWindow:
             time.sleep(0)  # the owner is mid-write (microseconds): yield and retry
 
     def header(self, rank: int) -> Header:
-        return Header.of(self._read(rank, False)[0])
+        return read_header(self._read(rank, False)[0])
 
     def beat(self) -> None:
         """Refresh this rank's heartbeat (a single aligned int64 store, outside the seqlock)."""
@@ -227,7 +219,7 @@ class SharedEpochWindow:
 
     def snapshot(self, rank: int) -> tuple[Header, list[int]]:
         hdr, toks = self._read(rank, True)
-        return Header.of(hdr), toks.tolist()
+        return read_header(hdr), toks.tolist()
 
     def free(self) -> None:
         if self.win is not None:
@@ -327,13 +319,13 @@ class PushedEpochWindow:
         return hdr, toks
 
     def header(self, rank: int) -> Header:
-        return Header.of(self._drain(rank)[0])
+        return read_header(self._drain(rank)[0])
 
     def snapshot(self, rank: int) -> tuple[Header, list[int]]:
         hdr, toks = self._drain(rank)
         if len(toks) != int(hdr[LENGTH]):
             raise RuntimeError(f"rank {rank}'s tokens were not pushed here (a header-only reader)")
-        return Header.of(hdr), list(toks)
+        return read_header(hdr), list(toks)
 
     def beat(self) -> None:
         self.beats.beat()

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from pipespec_mpi import metrics
+from pipespec_mpi.analysis import metrics
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.records import (
     BENCHMARK,
@@ -47,7 +47,7 @@ def place(r: Record) -> tuple:
 def write_run_files(cfg: AppConfig, run_dir: Path, records: Iterable[Record], errors: list[dict]) -> None:
     """results.jsonl (``place`` order), the ``run.output_format`` file, summary.json,
     benchmark.json and the printed table, from ``records`` in any order (a run's parts, or an
-    array's shards: pipespec_mpi/shards.py) and ``errors`` (errors.jsonl's rows). Each file is
+    array's shards: pipespec_mpi/run/shards.py) and ``errors`` (errors.jsonl's rows). Each file is
     written in one pass over results.jsonl, read back as a stream."""
     write_records(run_dir / RESULTS, sorted_records(records, place, run_dir))
 

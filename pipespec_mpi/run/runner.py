@@ -17,11 +17,8 @@ from pathlib import Path
 import psutil
 
 from pipespec_mpi.comm.bootstrap import World, mpi
-from pipespec_mpi.comm.wait import StallError, wait_until
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.faults import maybe_fail
-from pipespec_mpi.gpu_monitor import GpuMonitor
 from pipespec_mpi.models.base import score_batch
 from pipespec_mpi.records import ERRORS, write_errors
 from pipespec_mpi.run import setup
@@ -35,7 +32,9 @@ from pipespec_mpi.run.collect import (
     progress_bar,
 )
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
+from pipespec_mpi.run.faults import maybe_fail
 from pipespec_mpi.run.finalize import finalize
+from pipespec_mpi.run.gpu_monitor import GpuMonitor
 from pipespec_mpi.run.jobs import (
     Job,
     JobKey,
@@ -52,6 +51,7 @@ from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.process import StageProcess, drive
+from pipespec_mpi.stage.wait import StallError, wait_until
 from pipespec_mpi.topology import place
 
 log = logging.getLogger("pipespec_mpi")

@@ -17,7 +17,6 @@ from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender, slot_tag
-from pipespec_mpi.comm.wait import wait_until
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
 from pipespec_mpi.data.datasets import BadRow
@@ -26,6 +25,7 @@ from pipespec_mpi.run import rows
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
+from pipespec_mpi.stage.wait import wait_until
 from pipespec_mpi.topology import Placement, device_for
 
 log = logging.getLogger("pipespec_mpi")
@@ -87,8 +87,8 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     under ``watchdog`` (run/startup.py)."""
     import torch
 
-    from pipespec_mpi.gpu_monitor import GpuMonitor
     from pipespec_mpi.models.loader import load_stage, load_tokenizer
+    from pipespec_mpi.run.gpu_monitor import GpuMonitor
 
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]

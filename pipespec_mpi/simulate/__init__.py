@@ -1,7 +1,7 @@
 """Discrete-event simulation of AR, SD and PipeSpec over k stages, driving the real stage loop.
 
 inputs.py       LatencyProfile (forward cost by tokens and context), Acceptance, SimConfig
-oracle.py       oracle models (token agreement at set rates or along recorded traces), SimClock
+oracle.py       oracle models (token agreement at set rates or along recorded traces)
 engine.py       the timed engine: when each stage's real StageLoop steps
 ports.py        the timed window and channels (delays, blocking reads)
 calibration.py  simulator inputs fitted from a run directory; predict a run's ms/token

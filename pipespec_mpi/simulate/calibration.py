@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipespec_mpi.analytical import alpha_from_trace
+from pipespec_mpi.analysis.analytical import alpha_from_trace
 from pipespec_mpi.config import METHODS, DecodeConfig
 from pipespec_mpi.records import RESULTS, Record, read_records
 from pipespec_mpi.simulate.engine import SimResult, simulate

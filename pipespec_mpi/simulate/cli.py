@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     blocking_reads=a.blocking_reads, **caps)  # fmt: skip
             print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
             if a.plot:
-                from pipespec_mpi.plots import simulator_calibration
+                from pipespec_mpi.analysis.plots import simulator_calibration
 
                 simulator_calibration(rows, a.plot)
             return 0

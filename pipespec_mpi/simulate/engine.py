@@ -33,13 +33,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from pipespec_mpi.comm.channel import Proposal
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
-from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, SimClock, TokenOracle, _Compute
-from pipespec_mpi.simulate.ports import TimedReceiver, TimedSender, TimedWindow, Version
+from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle, _Compute
+from pipespec_mpi.simulate.ports import SimClock, TimedReceiver, TimedSender, TimedWindow, Version
 from pipespec_mpi.speculative.verifiers import Greedy
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.loop import Forward, StageLoop, StageRole, Step
+from pipespec_mpi.stage.ports import Proposal
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 
 PROMPT_SEQ = 1  # the simulated prompt's sequence number
@@ -208,6 +208,10 @@ class Engine:
         if len(v) != k - 1:
             raise ValueError(f"{k} stages need {k - 1} per-pair latencies, got {v}")
         return v
+
+    @property
+    def blocking_reads(self) -> bool:
+        return self.cfg.blocking_reads
 
     def lat(self, frm: int, to: int) -> float:
         """Delay of anything node ``frm`` publishes or sends, as seen by neighbour ``to``."""

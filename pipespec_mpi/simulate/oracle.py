@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from pipespec_mpi.simulate.inputs import LatencyProfile
+from pipespec_mpi.simulate.ports import SimClock
 from pipespec_mpi.stage.loop import ProtocolError
 
 _M64 = (1 << 64) - 1
@@ -134,19 +135,6 @@ class TokenOracle:
         row = self.noise[mix64(h ^ self._salt[stage]) % NOISE_ROWS].clone()
         row[self.token(stage, h, pos)] += 2.0
         return row
-
-
-class SimClock:
-    """A stage's simulated time: set by the engine before each step, advanced by its forwards."""
-
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 class _Compute:

@@ -4,19 +4,58 @@ A stage's ``TimedWindow`` publishes header versions; each neighbour sees a versi
 it was published plus the pair's latency (versions never overtake one another), and with
 ``blocking_reads`` a read of a stage inside a forward first waits for that forward to end. A
 ``TimedSender`` delivers a proposal to the next stage's ``TimedReceiver`` after the pair's latency,
-in order. The engine (engine.py) owns the per-stage state these read and write.
+in order. The engine (engine.py) owns the per-stage state these read and write; what the ports
+need of it is ``Net`` below, so this module does not import the engine. The ports' clock is
+``SimClock``: a stage's simulated time, set by the engine before each step and advanced by the
+stage's forwards.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
-from pipespec_mpi.comm.channel import Proposal
-from pipespec_mpi.comm.window import Header
+from pipespec_mpi.stage.ports import Header, Proposal
 
-if TYPE_CHECKING:
-    from pipespec_mpi.simulate.engine import Engine
+
+class SimClock:
+    """A stage's simulated time: set by the engine before each step, advanced by its forwards."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+class NodeState(Protocol):
+    """One simulated stage's state the ports read and write."""
+
+    clock: SimClock
+    versions: list[Version]
+    inflight: deque[tuple[float, Proposal]]
+
+
+class Net(Protocol):
+    """What the ports need of the engine: its nodes, who neighbours whom, delays, wake-ups."""
+
+    nodes: Sequence[NodeState]
+
+    @property
+    def blocking_reads(self) -> bool: ...
+
+    def lat(self, frm: int, to: int) -> float: ...
+
+    def neighbours(self, a: int, b: int) -> bool: ...
+
+    def wake(self, node: int, t: float) -> None: ...
+
+    def forward_end(self, i: int, t: float) -> float | None: ...
 
 
 class Version:
@@ -31,7 +70,7 @@ class Version:
 class TimedWindow:
     """A stage's view of the epochs window: its own header versions, its neighbours' as delayed."""
 
-    def __init__(self, engine: Engine, me: int) -> None:
+    def __init__(self, engine: Net, me: int) -> None:
         self.engine, self.me = engine, me
 
     def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
@@ -49,7 +88,7 @@ class TimedWindow:
     def _visible(self, rank: int) -> Version:
         eng, me = self.engine, self.me
         clock = eng.nodes[me].clock
-        if eng.cfg.blocking_reads:
+        if eng.blocking_reads:
             end = eng.forward_end(rank, clock.now())
             if end is not None:
                 # a read of the downstream is granted once it left its forward and published;
@@ -74,7 +113,7 @@ class TimedWindow:
 
 
 class TimedSender:
-    def __init__(self, engine: Engine, me: int) -> None:
+    def __init__(self, engine: Net, me: int) -> None:
         self.engine, self.me = engine, me
         self.bytes_sent = 0
 
@@ -90,7 +129,7 @@ class TimedSender:
 
 
 class TimedReceiver:
-    def __init__(self, engine: Engine, me: int) -> None:
+    def __init__(self, engine: Net, me: int) -> None:
         self.engine, self.me = engine, me
 
     def poll(self) -> list[Proposal]:

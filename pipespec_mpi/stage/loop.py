@@ -26,14 +26,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pipespec_mpi.comm.channel import Proposal
-from pipespec_mpi.comm.window import Header
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.speculative.goodput import Estimates
 from pipespec_mpi.speculative.policy import Act, Decision, View, decide
 from pipespec_mpi.speculative.sequence import Inbox, adopt
 from pipespec_mpi.speculative.verifiers import Verifier
-from pipespec_mpi.stage.ports import Clock, Proposer, Receiver, Scorer, Sender, Window
+from pipespec_mpi.stage.ports import Clock, Header, Proposal, Proposer, Receiver, Scorer, Sender, Window
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 
 

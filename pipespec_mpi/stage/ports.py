@@ -3,19 +3,44 @@
 The same ``StageLoop`` runs on an MPI rank (``comm/``: the epochs windows and proposal channels,
 ``time.perf_counter``, a transformers model), in the discrete-event simulator and under the
 schedule explorer (``simulate/``: simulated clock, windows with read delays, channels with
-latency, oracle models). Nothing in the loop knows which.
+latency, oracle models). Nothing in the loop knows which. The two messages the ports carry,
+``Proposal`` and ``Header``, are defined here, the protocol's own vocabulary; ``comm/`` encodes
+them for MPI.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from pipespec_mpi.comm.channel import Proposal
-from pipespec_mpi.comm.window import Header
+
+@dataclass(frozen=True)
+class Proposal:
+    """Tokens a stage sends downstream: ``tokens`` from position ``start`` of prompt ``prompt``,
+    drafted against the receiver's rollback ``epoch`` as the sender last saw it."""
+
+    prompt: int
+    epoch: int
+    start: int
+    tokens: list[int]
+    dists: np.ndarray | None = None  # [count, V] float32: the distribution each token was drawn from
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a stage publishes in the epochs window beside its committed tokens (the fields'
+    meaning: comm/window.py's layout)."""
+
+    prompt: int
+    epoch: int
+    length: int
+    done: bool
+    want: int
+    idle: bool
 
 
 class Clock(Protocol):

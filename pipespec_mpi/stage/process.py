@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from pipespec_mpi.comm.wait import Backoff, StallError
 from pipespec_mpi.speculative.verifiers import Verifier
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.stats import StageOutcome
+from pipespec_mpi.stage.wait import Backoff, StallError
 
 
 class Job(Protocol):

@@ -1,4 +1,4 @@
-"""Pipelines and replicas across hosts, on the multi-host bed (pipespec_mpi/netbed.py).
+"""Pipelines and replicas across hosts, on the multi-host bed (tests/multihost/netbed.py).
 
 Three hosts are network namespaces with their own hostnames, joined by a wire that delays every
 packet by 0.2 ms each way; MPICH's hydra starts the ranks in them, so MPI sees three nodes (no
@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+import netbed
 import pytest
 from conftest import ROOT, outputs_by_method, read_results
-
-from pipespec_mpi import netbed
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multihost]
 

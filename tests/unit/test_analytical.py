@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipespec_mpi import analytical as an
+from pipespec_mpi.analysis import analytical as an
 
 alphas = st.floats(min_value=1e-6, max_value=1 - 1e-6, allow_nan=False)
 gammas = st.floats(min_value=1e-3, max_value=64.0, allow_nan=False)

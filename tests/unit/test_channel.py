@@ -32,7 +32,7 @@ from pipespec_mpi.comm.channel import (
     open_sender,
     used_words,
 )
-from pipespec_mpi.comm.wait import wait_until
+from pipespec_mpi.stage.wait import wait_until
 
 
 def wait(cond, what):

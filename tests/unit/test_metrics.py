@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from pipespec_mpi.metrics import (
+from pipespec_mpi.analysis.metrics import (
     PERCENTILES,
     acceptance,
     acceptance_of_counts,
@@ -93,7 +93,7 @@ def test_summary_and_benchmark_speedups():
 
 
 def test_energy_integration_and_per_token_accounting():
-    from pipespec_mpi.gpu_monitor import integrate_energy
+    from pipespec_mpi.run.gpu_monitor import integrate_energy
 
     assert integrate_energy([(0.0, 100.0), (1.0, 200.0), (2.0, 200.0)]) == pytest.approx(350.0)
     r = _rec("sd", "a", 10, 1.0)

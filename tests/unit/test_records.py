@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipespec_mpi.metrics import benchmark_table, summarize
+from pipespec_mpi.analysis.metrics import benchmark_table, summarize
 from pipespec_mpi.records import (
     BenchmarkRow,
     MethodSummary,

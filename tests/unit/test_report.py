@@ -1,4 +1,4 @@
-"""``python -m pipespec_mpi.report``: the table on hand-made records with known answers, the PNGs,
+"""``python -m pipespec_mpi.analysis.report``: the table on hand-made records with known answers, the PNGs,
 and (marked mpi) the whole path from a real mpirun run and a real Hydra multirun sweep."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipespec_mpi import report
+from pipespec_mpi.analysis import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.shards import ShardError, array_spec, expected_jobs, shard_dirs, status
+from pipespec_mpi.run.shards import ShardError, array_spec, expected_jobs, shard_dirs, status
 
 
 def test_array_spec_joins_runs_of_ids():

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipespec_mpi.comm.channel import Proposal
-from pipespec_mpi.comm.wait import StallError
 from pipespec_mpi.config import SamplingConfig
 from pipespec_mpi.speculative.sampling import Sampler
 from pipespec_mpi.speculative.verifiers import AcceptAll, Greedy, Gumbel, Leviathan, make_verifier
 from pipespec_mpi.stage.loop import Mailbox, Step
+from pipespec_mpi.stage.ports import Proposal
 from pipespec_mpi.stage.process import drive
+from pipespec_mpi.stage.wait import StallError
 
 
 class ListReceiver:
@@ -53,7 +53,7 @@ class Script:
 def test_drive_keeps_going_while_something_moves(monkeypatch):
     clock = iter(range(0, 10_000, 10))  # every monotonic() call: 10 s later
     monkeypatch.setattr("pipespec_mpi.stage.process.time.monotonic", lambda: next(clock))
-    monkeypatch.setattr("pipespec_mpi.comm.wait.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipespec_mpi.stage.wait.time.sleep", lambda s: None)
     # progress without a forward (tokens adopted, proposals taken) resets the stall timer
     drive(Script([Step.WAITING, Step.PROGRESS] * 20), stall_timeout_s=25)
     with pytest.raises(StallError, match="scripted stage: no progress for 25 s"):

@@ -2,9 +2,9 @@
 and a wire process carries the IP packets between the hosts' TUN devices, after an added one-way
 delay (an interconnect's latency; this kernel has no netem, so the wire is the delay line).
 
-    python -m pipespec_mpi.netbed up --hosts 2 --delay-ms 0.1     # two hosts, 0.1 ms each way
-    python -m pipespec_mpi.netbed mpirun -n 6 --ppn 3 -- python -m pipespec_mpi run.n_replicas=...
-    python -m pipespec_mpi.netbed down
+    python tests/multihost/netbed.py up --hosts 2 --delay-ms 0.1     # two hosts, 0.1 ms each way
+    python tests/multihost/netbed.py mpirun -n 6 --ppn 3 -- python -m pipespec_mpi run.n_replicas=...
+    python tests/multihost/netbed.py down
 
 ``mpirun`` runs MPICH's hydra inside host 0 with ``-hosts`` set to the hosts' addresses and a
 launcher that enters the right namespace instead of ssh, so MPI sees as many nodes as hosts: the
@@ -222,7 +222,7 @@ class NetBed:
             launcher.write_text(_LAUNCHER)
             launcher.chmod(0o755)
             ready = cfg.state / "wire.pid"
-            args = [sys.executable, "-m", "pipespec_mpi.netbed", "wire", "--name", cfg.name]
+            args = [sys.executable, str(Path(__file__).resolve()), "wire", "--name", cfg.name]
             args += ["--hosts", str(cfg.hosts), "--delay-ms", str(cfg.delay_ms), "--net", str(cfg.net)]
             args += [f"--drop-tcp-port={p}" for p in cfg.drop_tcp_ports]
             with open(cfg.state / "wire.log", "w") as log:
@@ -294,7 +294,7 @@ def _config(args: argparse.Namespace) -> BedConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipespec_mpi.netbed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tests/multihost/netbed.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("up", "down", "wire", "mpirun"):
         s = sub.add_parser(name)
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         hosts_file = cfg.state / "hosts"
         if not hosts_file.exists():
-            up = f"python -m pipespec_mpi.netbed up --name {cfg.name}"
+            up = f"python tests/multihost/netbed.py up --name {cfg.name}"
             print(f"netbed {cfg.name} is not up: {up}", file=sys.stderr)
             return 2
         return subprocess.run(bed.mpirun(args.n, args.ppn, command)).returncode

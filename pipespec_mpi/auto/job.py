@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipespec_mpi.analysis.metrics import group_key
 from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary
 from pipespec_mpi.auto.choose import realize, table
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.metrics import group_key
 from pipespec_mpi.records import SUMMARY, read_summary
 
 log = logging.getLogger("pipespec_mpi")

@@ -1,6 +1,6 @@
 """Compare runs: one table across run directories (like the paper's Table 2) plus PNG plots.
 
-    python -m pipespec_mpi.report RUN_DIR [RUN_DIR ...] [--json | --markdown] [--no-plots]
+    python -m pipespec_mpi.analysis.report RUN_DIR [RUN_DIR ...] [--json | --markdown] [--no-plots]
 
 A RUN_DIR holds ``results.jsonl`` (one record per prompt and method); a Hydra multirun directory
 (numbered subfolders that are run dirs) stands for all its runs. One table row per (run, method):
@@ -8,14 +8,14 @@ ms/token and tokens/s over the non-warm-up records, speedup over the AR decoding
 target model (from the same run dir when it has one, else pooled from the other run dirs given,
 marked ``*``), and mean accepted tokens per verification for every adjacent stage pair.
 
-Plots (``pipespec_mpi.plots``), written next to the data:
+Plots (``pipespec_mpi.analysis.plots``), written next to the data:
   in each run dir     accepted_hist.png (paper Fig. 3), timeline.png (Figs. 2/5),
                       busy_fraction.png
   cross-run (the multirun dir, else the run dirs' common parent, or ``--out``):
                       busy_fraction.png, and speedup_vs_lookahead.png when the runs sweep
                       ``lookahead`` (paper Fig. 4)
 
-All numbers come from ``pipespec_mpi.metrics`` (``summarize``, ``benchmark_table``); this module
+All numbers come from ``pipespec_mpi.analysis.metrics`` (``summarize``, ``benchmark_table``); this module
 only groups records, picks the AR reference and formats.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipespec_mpi import metrics
+from pipespec_mpi.analysis import metrics
 from pipespec_mpi.records import RESULTS, Record, RecordError, read_records
 
 METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
@@ -427,7 +427,7 @@ def write_plots(
     prompt_id: str | None = None,
 ) -> list[Path]:
     """Every plot for these runs; returns the paths written."""
-    from pipespec_mpi import plots
+    from pipespec_mpi.analysis import plots
 
     written: list[Path | None] = []
     for i, run in enumerate(runs):
@@ -470,7 +470,7 @@ def write_plots(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pipespec_mpi.report",
+        prog="python -m pipespec_mpi.analysis.report",
         description="Compare PipeSpec runs: one table across run dirs, and PNG plots.",
     )
     ap.add_argument("run_dirs", nargs="+", help="run dirs, or Hydra multirun dirs")

@@ -1,4 +1,4 @@
-"""PNG plots for ``pipespec_mpi.report`` (matplotlib, Agg canvas; no pyplot global state).
+"""PNG plots for ``pipespec_mpi.analysis.report`` (matplotlib, Agg canvas; no pyplot global state).
 
 Every function takes data already aggregated by ``report`` (via ``metrics``), draws one figure,
 writes it to ``path`` and returns the path, or ``None`` when there is nothing to draw.

@@ -1,0 +1,3 @@
+from pipespec_mpi.simulate.explore.cli import main
+
+raise SystemExit(main())
