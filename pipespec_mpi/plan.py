@@ -1,9 +1,9 @@
 """Planner: predict the best AR, SD and PipeSpec configurations with the simulator.
 
-  python -m pipespec_mpi.plan                      # the paper's models (simulate/paper.py)
-  python -m pipespec_mpi.plan --config plan.yaml   # your latency profiles and acceptance rates
-  python -m pipespec_mpi.plan --from RUN_DIR       # profiles and rates measured in a run
-  python -m pipespec_mpi.plan --measure [--force] [--ranks 3] [OVERRIDES]
+  pipespec-plan                      # the paper's models (simulate/paper.py)
+  pipespec-plan --config plan.yaml   # your latency profiles and acceptance rates
+  pipespec-plan --from RUN_DIR       # profiles and rates measured in a run
+  pipespec-plan --measure [--force] [--ranks 3] [OVERRIDES]
                                                    # measure here, as hierarchy=auto does
 
 It searches hierarchies (every ordered choice of distinct drafters in front of the target: subsets
@@ -46,7 +46,7 @@ from pathlib import Path
 from pipespec_mpi import simulate as sim
 from pipespec_mpi.config import CONF_DIR, METHODS, DecodeConfig, StageConfig, compose_config
 from pipespec_mpi.records import Record
-from pipespec_mpi.simulate.calibration import calibrate, load_records
+from pipespec_mpi.simulate.fit import fit_run, load_records
 from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES
 
 
@@ -150,13 +150,13 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     method = next((m for m in ("pipespec", "sd", "ar") if m in by), None)
     if method is None:
         raise ValueError(f"{run_dir}: no records")
-    cal = calibrate(by[method])
-    names = [p.name for p in cal.profiles]
-    models = {p.name: p for p in cal.profiles}
-    rates = {(a, b): r for a, b, r in zip(names, names[1:], cal.rates)}
+    fit = fit_run(by[method])
+    names = [p.name for p in fit.profiles]
+    models = {p.name: p for p in fit.profiles}
+    rates = {(a, b): r for a, b, r in zip(names, names[1:], fit.rates)}
     hier = by[method][0].hierarchy
-    lat = sum(cal.down_latency_s) / len(cal.down_latency_s) if cal.down_latency_s else 0.0
-    up = sum(cal.up_latency_s) / len(cal.up_latency_s) if cal.up_latency_s else None
+    lat = sum(fit.down_latency_s) / len(fit.down_latency_s) if fit.down_latency_s else 0.0
+    up = sum(fit.up_latency_s) / len(fit.up_latency_s) if fit.up_latency_s else None
     return PlanInputs(
         models=models,
         rates=rates,
@@ -348,7 +348,7 @@ def table(picked: Mapping[str, Sequence[Candidate]], inp: PlanInputs) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipespec_mpi.plan", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pipespec-plan", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="a plan config (YAML or JSON)")
     src.add_argument("--from", dest="run_dir", help="a run directory: use its measured profiles")

@@ -299,7 +299,7 @@ def throughput_vs_batch(sweeps: Mapping[str, Sequence[Mapping]], title: str, pat
     return _save(fig, path)
 
 
-def simulator_calibration(rows: Sequence[Mapping], path: Path) -> Path:
+def simulator_fit(rows: Sequence[Mapping], path: Path) -> Path:
     """Simulated vs measured ms/token, one point per (run, method), with the +-15% band."""
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 

@@ -28,49 +28,16 @@ from collections import deque
 
 import numpy as np
 
+from pipespec_mpi.comm.wire import (
+    CLOSE,
+    META,
+    TAG,
+    buffer_words,
+    decode,
+    encode,
+    used_words,
+)
 from pipespec_mpi.stage.ports import Proposal
-
-META = 4
-CLOSE = -1
-TAG = 7
-
-
-def slot_tag(slot: int) -> int:
-    """The tag of a batched-decoding slot's link (slot 0: ``TAG``, as without batching)."""
-    return TAG + 16 * slot
-
-
-def buffer_words(max_msg_tokens: int, dist_width: int) -> int:
-    """int64 words of one message: header, token ids, then (sampling) float32 rows [T, V]."""
-    return META + max_msg_tokens + (max_msg_tokens * dist_width + 1) // 2
-
-
-def _rows_view(buf: np.ndarray, width: int, dist_width: int) -> np.ndarray:
-    start = 2 * (META + width)
-    return buf.view(np.float32)[start : start + width * dist_width].reshape(width, dist_width)
-
-
-def encode(buf: np.ndarray, prompt: int, epoch: int, start: int, tokens: list[int],
-           dists: np.ndarray | None = None, width: int = 0, dist_width: int = 0) -> None:  # fmt: skip
-    buf[:META] = (prompt, epoch, start, len(tokens))
-    buf[META : META + len(tokens)] = tokens
-    if dists is not None:
-        _rows_view(buf, width, dist_width)[: len(tokens)] = dists
-
-
-def decode(buf: np.ndarray, width: int = 0, dist_width: int = 0) -> Proposal | None:
-    count = int(buf[3])
-    if count == CLOSE:
-        return None
-    dists = _rows_view(buf, width, dist_width)[:count].copy() if dist_width else None
-    return Proposal(int(buf[0]), int(buf[1]), int(buf[2]), buf[META : META + count].tolist(), dists)
-
-
-def used_words(n_tokens: int, width: int, dist_width: int) -> int:
-    """The prefix of a message buffer that holds n tokens (and their rows): what MPI sends."""
-    if not dist_width:
-        return META + n_tokens
-    return META + width + (n_tokens * dist_width + 1) // 2
 
 
 class _SendRing:

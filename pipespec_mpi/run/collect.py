@@ -160,7 +160,7 @@ class RecordAssembler:
 
 class Progress:
     """A replica's progress in its leader's log, every ``every_s`` and at the end: prompt runs
-    done and left, output tokens/s and the ETA at that rate (``python -m pipespec_mpi.run.shards
+    done and left, output tokens/s and the ETA at that rate (``pipespec-shards
     status`` adds an array's up from the records)."""
 
     def __init__(self, replica: int, total: int, every_s: float, clock: Callable[[], float] = time.monotonic):

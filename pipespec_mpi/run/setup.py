@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
-from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender, slot_tag
+from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
 from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError

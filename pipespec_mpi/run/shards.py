@@ -1,8 +1,8 @@
 """A job array's shards: what is missing, resubmitting only that, and merging the shards.
 
-  python -m pipespec_mpi.run.shards status   outputs/slurm/<array job id>
-  python -m pipespec_mpi.run.shards resubmit outputs/slurm/<array job id> [--dry-run] [-- SBATCH OPTIONS]
-  python -m pipespec_mpi.run.shards merge    outputs/slurm/<array job id>
+  pipespec-shards status   outputs/slurm/<array job id>
+  pipespec-shards resubmit outputs/slurm/<array job id> [--dry-run] [-- SBATCH OPTIONS]
+  pipespec-shards merge    outputs/slurm/<array job id>
 
 An array run directory holds ``shard-<i>/`` per task (slurm/pipespec_array.sbatch). A shard is
 finished when its run directory holds every (prompt, method, sample) its config asks for; what a
@@ -205,7 +205,7 @@ def merge(array_dir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipespec_mpi.run.shards", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="pipespec-shards", description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=["status", "resubmit", "merge"])
     ap.add_argument("array_dir", type=Path, help="outputs/slurm/<array job id> (holds shard-<i>/)")
     ap.add_argument("--dry-run", action="store_true", help="resubmit: print the sbatch, do not run it")

@@ -4,10 +4,11 @@ inputs.py       LatencyProfile (forward cost by tokens and context), Acceptance,
 oracle.py       oracle models (token agreement at set rates or along recorded traces)
 engine.py       the timed engine: when each stage's real StageLoop steps
 ports.py        the timed window and channels (delays, blocking reads)
-calibration.py  simulator inputs fitted from a run directory; predict a run's ms/token
+traces.py       what a run recorded, read as simulator inputs (profiles, traces, latencies)
+fit.py          RunFit: simulator inputs fitted from a run directory; predict a run's ms/token
 paper.py        the paper's setting (profiles, acceptance traces, reported results)
-explore.py      the schedule explorer: the same loop under adversarial schedules
-cli.py          ``python -m pipespec_mpi.simulate`` (docs/simulator.md)
+explore/        the schedule explorer: the same loop under adversarial schedules
+cli.py          ``pipespec-simulate`` (docs/simulator.md)
 """
 
 from pipespec_mpi.simulate.engine import SimResult, mean_ms_per_token, simulate

@@ -1,4 +1,4 @@
-"""``python -m pipespec_mpi.simulate``: see cli.py."""
+"""``pipespec-simulate``: see cli.py."""
 
 import sys
 

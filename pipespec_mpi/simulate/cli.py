@@ -1,9 +1,9 @@
 """The simulator's command line (docs/simulator.md).
 
-python -m pipespec_mpi.simulate --preset paper [--json]
-python -m pipespec_mpi.simulate --from RUN_DIR [--json]
-python -m pipespec_mpi.simulate --calibration RUN_DIR [RUN_DIR ...] [--plot OUT.png]
-python -m pipespec_mpi.simulate --fit-paper-rates
+pipespec-simulate --preset paper [--json]
+pipespec-simulate --from RUN_DIR [--json]
+pipespec-simulate --fit RUN_DIR [RUN_DIR ...] [--plot OUT.png]
+pipespec-simulate --fit-paper-rates
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipespec_mpi.config import POLICIES, DecodeConfig
-from pipespec_mpi.simulate.calibration import load_records, predict_run
+from pipespec_mpi.simulate.fit import load_records, predict_run
 from pipespec_mpi.simulate.paper import (
     PAPER_PIPESPEC_LOOKAHEAD,
     PAPER_SD_WINDOW,
@@ -62,7 +62,7 @@ def format_run_table(res: Mapping[str, Mapping], run_dir: str) -> str:
     return "\n".join(lines)
 
 
-def calibration_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
+def fit_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
     """One row per (run, method): measured and predicted ms/token."""
     rows = []
     for d in run_dirs:
@@ -76,7 +76,7 @@ def calibration_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
     return rows
 
 
-def format_calibration_markdown(rows: Sequence[dict]) -> str:
+def format_fit_markdown(rows: Sequence[dict]) -> str:
     lines = [
         "| run | hierarchy | lookahead | tokens/prompt | method | prompts | measured ms/token "
         "| predicted ms/token | error |",
@@ -94,15 +94,22 @@ def format_calibration_markdown(rows: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m pipespec_mpi.simulate",
+        prog="pipespec-simulate",
         description="Discrete-event simulator of AR, SD and PipeSpec (docs/simulator.md).",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=["paper"], help="the paper's setting (Llama 3, A100s)")
     src.add_argument("--from", dest="run_dir", help="a run directory: predict its ms/token")
     src.add_argument("--fit-paper-rates", action="store_true", help="re-derive PAPER_RATES (slow: ~1 min)")
-    src.add_argument("--calibration", nargs="+", metavar="RUN_DIR", help="several runs: a markdown table")
-    ap.add_argument("--plot", help="with --calibration: write predicted vs measured to this PNG")
+    src.add_argument(
+        "--fit",
+        "--calibration",
+        dest="fit",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="runs: the simulator fitted to each, predicted vs measured (a markdown table)",
+    )
+    ap.add_argument("--plot", help="with --fit: write predicted vs measured to this PNG")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--acceptance", choices=["trace", "iid"], default="trace",
                     help="paper: replay the authors' acceptance traces, or i.i.d. rates")  # fmt: skip
@@ -124,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="default: as --max-run-ahead for the paper; runs: each record's own, "
                          "else decode.max_verify's default")  # fmt: skip
     ap.add_argument("--scope", choices=["method", "record"], default="method",
-                    help="runs: one calibration per method, or per record")  # fmt: skip
+                    help="runs: one fit per method, or per record")  # fmt: skip
     ap.add_argument("--iid", action="store_true",
                     help="runs: i.i.d. acceptance instead of the records' traces")  # fmt: skip
     a = ap.parse_args(argv)
@@ -151,14 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         caps = {"max_run_ahead": a.max_run_ahead or DecodeConfig.max_run_ahead,
                 "max_verify": a.max_verify or DecodeConfig.max_verify}  # fmt: skip
-        if a.calibration:
-            rows = calibration_rows(a.calibration, scope=a.scope, use_traces=not a.iid,
+        if a.fit:
+            rows = fit_rows(a.fit, scope=a.scope, use_traces=not a.iid,
                                     blocking_reads=a.blocking_reads, **caps)  # fmt: skip
-            print(json.dumps(rows, indent=2) if a.json else format_calibration_markdown(rows))
+            print(json.dumps(rows, indent=2) if a.json else format_fit_markdown(rows))
             if a.plot:
-                from pipespec_mpi.analysis.plots import simulator_calibration
+                from pipespec_mpi.analysis.plots import simulator_fit
 
-                simulator_calibration(rows, a.plot)
+                simulator_fit(rows, a.plot)
             return 0
         res = predict_run(
             a.run_dir,

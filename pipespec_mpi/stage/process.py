@@ -8,7 +8,7 @@ While it waits at the gate or for the handoff it keeps taking in proposals (an u
 the gate first may already send for the new prompt) and keeps its heartbeat fresh.
 
 The gate and the handoff are ports: MPI (run/collect.py: a non-blocking barrier, stats sent to the
-leader) or the schedule explorer's (simulate/explore.py: released and delivered when its schedule
+leader) or the schedule explorer's (simulate/explore/: released and delivered when its schedule
 says). ``drive`` runs any steppable on a real clock.
 """
 

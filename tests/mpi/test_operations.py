@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TINY = ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=24"]
 
 
+# long tier (CI's 30 minutes): CI's replicas run under Slurm (tests/slurm: two replicas in one job)
+@pytest.mark.long
 def test_two_replicas_give_the_same_prompts_and_outputs_as_one(tmp_path):
     one = launch_ok(3, [*TINY, "dataset.n_prompts=5"], tmp_path / "one")
     two = launch_ok(6, [*TINY, "dataset.n_prompts=5"], tmp_path / "two")

@@ -380,7 +380,7 @@ def test_an_unfinished_shard_is_resubmitted_alone_and_the_shards_merge(jobs, tmp
     assert_completed(job, n_tasks=2)
     base = ROOT / "outputs" / "slurm" / job.job_id
     shutil.rmtree(base / "shard-1")
-    shards = [sys.executable, "-m", "pipespec_mpi.run.shards"]
+    shards = [str(Path(sys.executable).with_name("pipespec-shards"))]  # the console script
     status = run([*shards, "status", str(base)], timeout=60, cwd=ROOT)
     assert status.returncode == 3, status.stdout + status.stderr
     assert "shard-1: 0/1 not started" in status.stdout and "missing: 1" in status.stdout, status.stdout
@@ -417,7 +417,7 @@ def test_an_array_over_the_users_files_answers_every_row_once_after_a_killed_sha
     part.write_text(first + "\n" + first[: len(first) // 2])
     for name in ("results.jsonl", "results.openai.jsonl", "summary.json"):
         (shard / name).unlink()
-    shards = [sys.executable, "-m", "pipespec_mpi.run.shards"]
+    shards = [str(Path(sys.executable).with_name("pipespec-shards"))]  # the console script
     status = run([*shards, "status", str(base)], timeout=60, cwd=ROOT)
     assert status.returncode == 3 and "shard-1: 1/" in status.stdout and "unfinished" in status.stdout, (
         status.stdout + status.stderr

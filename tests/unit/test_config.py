@@ -8,7 +8,6 @@ from hydra.errors import ConfigCompositionException
 from pipespec_mpi.config import (
     AppConfig,
     ConfigError,
-    DatasetConfig,
     DecodeConfig,
     RunConfig,
     SamplingConfig,
@@ -19,6 +18,7 @@ from pipespec_mpi.config import (
     compose_config,
     validate,
 )
+from pipespec_mpi.data.config import DatasetConfig
 
 
 def test_the_composed_default_is_the_dataclass_defaults():

@@ -1,7 +1,7 @@
-"""The schedule explorer (simulate/explore.py): a CI slice of its schedules, every bug it found as
+"""The schedule explorer (simulate/explore/): a CI slice of its schedules, every bug it found as
 a regression seed (which fails again once the fix is taken out), and the real tiny models under it.
 
-The long run (docs/protocol.md): python -m pipespec_mpi.simulate.explore --count 10000 --jobs 2
+The long run (docs/protocol.md): pipespec-explore --count 10000 --jobs 2
 """
 
 from __future__ import annotations

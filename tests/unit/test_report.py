@@ -1,4 +1,4 @@
-"""``python -m pipespec_mpi.analysis.report``: the table on hand-made records with known answers, the PNGs,
+"""``pipespec-report``: the table on hand-made records with known answers, the PNGs,
 and (marked mpi) the whole path from a real mpirun run and a real Hydra multirun sweep."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The statistical test of sampling must be able to fail. The real stage loop samples in-process:
-tiny models, the schedule explorer's ports and schedules (simulate/explore.py), the same prompt as
+tiny models, the schedule explorer's ports and schedules (simulate/explore/), the same prompt as
 the MPI sampling tests. The chi-square test accepts the Leviathan verifier and rejects a verifier
 that accepts every proposal, which the test passes in (``AcceptAll``)."""
 

@@ -13,10 +13,11 @@ import pytest
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.records import Record, write_records
 from pipespec_mpi.simulate import Acceptance, LatencyProfile, SimConfig, SimResult, simulate
-from pipespec_mpi.simulate.calibration import lookup_trace, predict_run
 from pipespec_mpi.simulate.cli import main
+from pipespec_mpi.simulate.fit import predict_run
 from pipespec_mpi.simulate.oracle import TokenOracle, mix64
 from pipespec_mpi.simulate.paper import committed_to_trace
+from pipespec_mpi.simulate.traces import lookup_trace
 from pipespec_mpi.stage.stats import StageStats
 
 MS = 1e-3
@@ -297,7 +298,7 @@ def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys
 
     run = _synthetic_run(tmp_path / "run")
     _fix_lookahead(run)
-    assert main(["--calibration", str(run), "--json"]) == 0
+    assert main(["--fit", str(run), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
     assert all(r["hierarchy"] == "sim" and r["lookahead"] == [2, 3] for r in rows)
@@ -308,8 +309,9 @@ def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys
 
 
 def test_cli_paper_preset_json():
-    # the module entry point as documented, one seed to keep it quick
-    proc = subprocess.run([sys.executable, "-m", "pipespec_mpi.simulate", "--preset", "paper", "--json",
+    # the console script as documented, one seed to keep it quick
+    tool = str(Path(sys.executable).with_name("pipespec-simulate"))
+    proc = subprocess.run([tool, "--preset", "paper", "--json",
                            "--seeds", "1"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)

@@ -21,10 +21,10 @@ A run fails when
              or after a stop request a stage started a job, or the stages disagree on jobs left
 
 A scenario (configuration plus schedule) is a pure function of its family and seed, so every
-failure replays: ``python -m pipespec_mpi.simulate.explore --replay FAMILY:SEED``.
+failure replays: ``pipespec-explore --replay FAMILY:SEED``.
 
-  python -m pipespec_mpi.simulate.explore --count 10000 --jobs 2      # every family
-  python -m pipespec_mpi.simulate.explore --families pipespec-leviathan --count 200
+  pipespec-explore --count 10000 --jobs 2      # every family
+  pipespec-explore --families pipespec-leviathan --count 200
 
   scenarios.py  families, Scenario.draw(family, seed), presets, Finding
   ports.py      the explorer's clocks and ports (window, links, gate, handoff)

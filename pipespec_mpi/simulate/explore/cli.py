@@ -61,9 +61,7 @@ def sweep(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m pipespec_mpi.simulate.explore", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="pipespec-explore", description=__doc__.split("\n")[0])
     ap.add_argument("--families", default="all", help=f"comma-separated, or all: {', '.join(FAMILIES)}")
     ap.add_argument("--count", type=int, default=200, help="schedules per family")
     ap.add_argument("--start", type=int, default=0, help="first seed")

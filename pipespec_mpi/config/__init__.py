@@ -1,0 +1,90 @@
+"""Typed configuration: one dataclass per component, the only home of every default.
+
+``AppConfig`` is the Hydra schema (``register`` stores it in Hydra's ConfigStore as
+``app_schema``, the first entry of conf/config.yaml's defaults list): Hydra rejects an unknown key
+or a value of the wrong type while it composes, and the YAML files under conf/ hold only what
+differs from these defaults (a hierarchy's stages, a dataset's name and files). Every setting has
+one name, its path in this tree (``decode.lookahead``, ``dataset.n_prompts``, ``run.mode``).
+
+The dataclasses are not frozen: Hydra merges the YAML files and the overrides into the schema's
+nodes, which a frozen dataclass makes read-only. Nothing changes a config after ``load_config``;
+derive a variant with ``dataclasses.replace``.
+
+Every component receives only its own node (``HierarchyConfig`` for model loading, ``DecodeConfig``
+for the stage loop, ...). ``load_config`` turns the composed tree into these dataclasses and runs
+``validate``, the rules across fields and the allowed values, raising one ``ConfigError`` that
+names every offending value, so a typo never reaches a rank's model loader.
+
+  schema.py  the dataclasses (AppConfig and its nodes) and the allowed values
+  load.py    register, load_config, compose_config, validate, validate_decode
+"""
+
+from pipespec_mpi.config.load import (
+    compose_config,
+    load_config,
+    register,
+    unknown_keys,
+    validate,
+    validate_decode,
+)
+from pipespec_mpi.config.schema import (
+    CONF_DIR,
+    DRAFTER_KINDS,
+    DTYPES,
+    EPOCHS_WINDOWS,
+    METHODS,
+    MODES,
+    ON_ERROR,
+    OUTPUT_FORMATS,
+    POLICIES,
+    QUANTIZATIONS,
+    STAGE_KINDS,
+    TOKENIZER_KINDS,
+    TRANSPORTS,
+    WEIGHT_FORMATS,
+    AppConfig,
+    AutoConfig,
+    ConfigError,
+    DecodeConfig,
+    HierarchyConfig,
+    RunConfig,
+    SamplingConfig,
+    StageConfig,
+    TinyBaseConfig,
+    TokenizerConfig,
+    TransportConfig,
+)
+
+__all__ = [
+    "AppConfig",
+    "AutoConfig",
+    "CONF_DIR",
+    "ConfigError",
+    "DRAFTER_KINDS",
+    "DTYPES",
+    "DecodeConfig",
+    "EPOCHS_WINDOWS",
+    "HierarchyConfig",
+    "METHODS",
+    "MODES",
+    "ON_ERROR",
+    "OUTPUT_FORMATS",
+    "POLICIES",
+    "QUANTIZATIONS",
+    "RunConfig",
+    "STAGE_KINDS",
+    "SamplingConfig",
+    "StageConfig",
+    "TOKENIZER_KINDS",
+    "TRANSPORTS",
+    "TinyBaseConfig",
+    "TokenizerConfig",
+    "TransportConfig",
+    "WEIGHT_FORMATS",
+    "compose_config",
+    "load_config",
+    "register",
+    "unknown_keys",
+    "validate",
+    "validate_decode",
+]

@@ -1,0 +1,251 @@
+"""The Hydra schema registered, a composed tree loaded into the dataclasses, and ``validate``:
+the rules across fields and the allowed values, one ``ConfigError`` naming every offending value."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipespec_mpi.config.schema import (
+    CONF_DIR,
+    DRAFTER_KINDS,
+    DTYPES,
+    EPOCHS_WINDOWS,
+    METHODS,
+    MODES,
+    ON_ERROR,
+    OUTPUT_FORMATS,
+    POLICIES,
+    QUANTIZATIONS,
+    STAGE_KINDS,
+    TOKENIZER_KINDS,
+    TRANSPORTS,
+    WEIGHT_FORMATS,
+    AppConfig,
+    ConfigError,
+    DecodeConfig,
+)
+from pipespec_mpi.data.config import problems as dataset_problems
+
+
+def register() -> None:
+    """Store ``AppConfig`` in Hydra's ConfigStore as ``app_schema`` (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="app_schema", node=AppConfig)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def unknown_keys(tree: object, cls: type, where: str = "") -> list[str]:
+    """Keys of a plain config tree that ``cls`` has no field for (Hydra's ``+key=value`` adds a
+    key even to a schema node, and building the dataclass would silently drop it)."""
+    if not isinstance(tree, dict):
+        return []
+    hints = typing.get_type_hints(cls)
+    out = []
+    for key, value in tree.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(cls))
+            out.append(f"{path}: unknown key (known: {known})")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            out += unknown_keys(value, hint, path)
+        elif typing.get_origin(hint) is tuple and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            for i, item in enumerate(value or []):
+                out += unknown_keys(item, typing.get_args(hint)[0], f"{path}[{i}]")
+    return out
+
+
+def load_config(cfg) -> AppConfig:
+    """The composed Hydra tree (a DictConfig on ``app_schema``) as typed, validated config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    problems = unknown_keys(OmegaConf.to_container(cfg, resolve=False), AppConfig)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        app = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:  # a required value left unset (``???``)
+        raise ConfigError([str(err).splitlines()[0] + f" ({err.full_key})"]) from None
+    problems = validate(app)
+    if problems:
+        raise ConfigError(problems)
+    return app
+
+
+def compose_config(overrides: Sequence[str] = ()) -> AppConfig:
+    """What ``python -m pipespec_mpi OVERRIDES`` runs with (Hydra's compose API, conf/)."""
+    from hydra import compose, initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def validate(cfg: AppConfig) -> list[str]:
+    """Every problem with a typed config, as messages naming the key and value."""
+    p: list[str] = []
+    h = cfg.hierarchy
+    if not h.stages:
+        p.append("hierarchy.stages: at least one stage is required")
+    for i, s in enumerate(h.stages):
+        where = f"hierarchy.stages[{i}] ({s.name})"
+        if s.kind not in STAGE_KINDS:
+            p.append(f"{where}.kind={s.kind!r}: must be one of {STAGE_KINDS}")
+        if s.dtype not in DTYPES:
+            p.append(f"{where}.dtype={s.dtype!r}: must be one of {DTYPES}")
+        if s.quantization not in QUANTIZATIONS:
+            p.append(f"{where}.quantization={s.quantization!r}: must be one of {QUANTIZATIONS}")
+        if s.kind in ("hf", "gguf") and not s.model:
+            p.append(f"{where}.model: required for kind={s.kind} (a hub id or a local path)")
+        if s.kind == "gguf" and not s.gguf_file:
+            p.append(f"{where}.gguf_file: required for kind=gguf")
+        if s.kind in DRAFTER_KINDS and i != 0 and not h.choose:  # (candidates: any may head a pipeline)
+            p.append(f"{where}: {s.kind} has no model to verify with; it can only be stage 0")
+        if s.kind == "prompt_lookup" and (s.ngram < 1 or s.max_proposal < 1):
+            p.append(f"{where}: ngram={s.ngram} and max_proposal={s.max_proposal} must be >= 1")
+        if s.kind == "suffix":
+            if s.max_proposal < 1 or s.max_match < 1 or s.store_tokens < 0:
+                p.append(f"{where}: max_proposal={s.max_proposal}, max_match={s.max_match} must be "
+                         f">= 1 and store_tokens={s.store_tokens} >= 0")  # fmt: skip
+            if not 0.0 <= s.min_survival < 1.0:
+                p.append(f"{where}.min_survival={s.min_survival}: must be in [0, 1)")
+            if s.corpus is not None and not Path(s.corpus).is_file():
+                p.append(f"{where}.corpus={s.corpus!r}: no such file")
+        if s.kind == "lowbit_copy" and s.weights not in WEIGHT_FORMATS:
+            p.append(f"{where}.weights={s.weights!r}: must be one of {WEIGHT_FORMATS}")
+        if s.kind in ("int8_copy", "lowbit_copy") and (
+            s.copy_of is None or not 0 <= s.copy_of < len(h.stages) or s.copy_of == i
+        ):
+            p.append(f"{where}.copy_of={s.copy_of}: must name another stage's index")
+        if s.kind == "tiny" and s.layers is not None and not 1 <= s.layers <= h.tiny.num_layers:
+            p.append(f"{where}.layers={s.layers}: must be in 1..{h.tiny.num_layers}")
+        if s.noise < 0:
+            p.append(f"{where}.noise={s.noise}: must be >= 0")
+        if s.n_gpus < 1:
+            p.append(f"{where}.n_gpus={s.n_gpus}: must be >= 1")
+        if s.threads is not None and s.threads < 1:
+            p.append(f"{where}.threads={s.threads}: must be >= 1")
+    if h.stages and h.stages[-1].kind in DRAFTER_KINDS:
+        p.append("hierarchy: the last stage must be a model (it produces the answer)")
+    if h.tokenizer.kind not in TOKENIZER_KINDS:
+        p.append(f"hierarchy.tokenizer.kind={h.tokenizer.kind!r}: must be one of {TOKENIZER_KINDS}")
+
+    if cfg.method not in METHODS:
+        p.append(f"method={cfg.method!r}: must be one of {METHODS}")
+
+    sd_needed = cfg.method == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
+    p.extend(validate_decode(cfg.decode, sd_needed))
+
+    p.extend(dataset_problems(cfg.dataset))
+
+    t = cfg.transport
+    if t.kind not in TRANSPORTS:
+        p.append(f"transport.kind={t.kind!r}: must be one of {TRANSPORTS}")
+    if t.depth < 1 or t.max_msg_tokens < 1:
+        p.append(f"transport.depth={t.depth}, max_msg_tokens={t.max_msg_tokens}: must be >= 1")
+    if t.port is not None and not (isinstance(t.port, int) and 1 <= t.port <= 65535):
+        p.append(f"transport.port={t.port}: must be a TCP port, 1..65535 (or null: a free one)")
+
+    s = cfg.sampling
+    if s.temperature < 0:
+        p.append(f"sampling.temperature={s.temperature}: must be >= 0 (0 = greedy)")
+    if s.top_k < 0:
+        p.append(f"sampling.top_k={s.top_k}: must be >= 0 (0 = off)")
+    if not 0 < s.top_p <= 1:
+        p.append(f"sampling.top_p={s.top_p}: must be in (0, 1]")
+    if s.coupling not in ("leviathan", "gumbel"):
+        p.append(f"sampling.coupling={s.coupling!r}: must be leviathan or gumbel")
+    if not _int(s.num_samples) or s.num_samples < 1:
+        p.append(f"sampling.num_samples={s.num_samples}: must be an integer >= 1")
+
+    r = cfg.run
+    if r.mode not in MODES:
+        p.append(f"run.mode={r.mode!r}: must be one of {MODES}")
+    for m in r.methods:
+        if m not in METHODS:
+            p.append(f"run.methods: {m!r} is not one of {METHODS}")
+    if r.epochs_window not in EPOCHS_WINDOWS:
+        p.append(f"run.epochs_window={r.epochs_window!r}: must be one of {EPOCHS_WINDOWS}")
+    for key in ("stall_timeout_s", "startup_timeout_s", "progress_every_s"):
+        if getattr(r, key) <= 0:
+            p.append(f"run.{key}={getattr(r, key)}: must be > 0")
+    if r.on_error not in ON_ERROR:
+        p.append(f"run.on_error={r.on_error!r}: must be one of {ON_ERROR}")
+    if r.output_format not in OUTPUT_FORMATS:
+        p.append(f"run.output_format={r.output_format!r}: must be one of {OUTPUT_FORMATS}")
+    if any(not _int(b) or not 1 <= b <= 64 for b in r.batch_sizes):
+        p.append(f"run.batch_sizes={list(r.batch_sizes)}: integers in 1..64")
+    if r.batch_sizes and r.mode != "benchmark":
+        p.append(
+            f"run.batch_sizes={list(r.batch_sizes)}: a sweep of run.mode=benchmark; use decode.batch_size"
+        )
+    if max([cfg.decode.batch_size, *r.batch_sizes]) > 1 and t.kind == "nccl":
+        p.append("decode.batch_size / run.batch_sizes > 1 with transport.kind=nccl: the slots' links are "
+                 "told apart by tags, which NCCL ignores; use transport.kind=mpi or gloo")  # fmt: skip
+
+    a = cfg.auto
+    if not _int(a.replicas) or a.replicas < 1:
+        p.append(f"auto.replicas={a.replicas}: must be an integer >= 1")
+    if not _int(a.calibration_prompts) or a.calibration_prompts < 1:
+        p.append(f"auto.calibration_prompts={a.calibration_prompts}: must be an integer >= 1")
+    if not _int(a.calibration_tokens) or a.calibration_tokens < 8:
+        p.append(f"auto.calibration_tokens={a.calibration_tokens}: must be an integer >= 8")
+    if not a.token_counts or any(not _int(n) or n < 1 for n in a.token_counts) or 1 not in a.token_counts:
+        p.append(f"auto.token_counts={list(a.token_counts)}: positive integers, 1 among them")
+    if not _int(a.repeats) or a.repeats < 1:
+        p.append(f"auto.repeats={a.repeats}: must be an integer >= 1")
+    if a.margin < 0:
+        p.append(f"auto.margin={a.margin}: must be >= 0")
+    if not _int(a.max_stages) or a.max_stages < 1:
+        p.append(f"auto.max_stages={a.max_stages}: must be an integer >= 1")
+    if not a.batch_sizes or any(not _int(b) or not 1 <= b <= 64 for b in a.batch_sizes):
+        p.append(f"auto.batch_sizes={list(a.batch_sizes)}: integers in 1..64, at least one")
+    return p
+
+
+def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
+    """The stage loop's settings: every problem, naming the keys and values."""
+    p: list[str] = []
+    if not _int(d.lookahead) or not 0 <= d.lookahead <= 64:
+        p.append(f"decode.lookahead={d.lookahead}: must be an integer in 0..64")
+    if not _int(d.max_new_tokens) or not 1 <= d.max_new_tokens <= 32768:
+        p.append(f"decode.max_new_tokens={d.max_new_tokens}: must be an integer in 1..32768")
+    if not _int(d.max_verify) or d.max_verify < 1:
+        p.append(f"decode.max_verify={d.max_verify}: must be >= 1")
+    if d.sd_window is not None and (not _int(d.sd_window) or not 1 <= d.sd_window <= 64):
+        p.append(f"decode.sd_window={d.sd_window}: must be null (= decode.lookahead) or an integer in 1..64")
+    windows = [w for w in (d.lookahead, d.sd_window) if _int(w)]
+    if _int(d.max_verify) and windows and d.max_verify < max(windows):
+        p.append(f"decode.max_verify={d.max_verify}: must be >= decode.lookahead={d.lookahead} "
+                 f"and decode.sd_window={d.sd_window}")  # fmt: skip
+    if not _int(d.max_run_ahead) or d.max_run_ahead < max([1, *windows]):
+        p.append(f"decode.max_run_ahead={d.max_run_ahead}: must be >= max(1, decode.lookahead="
+                 f"{d.lookahead}, decode.sd_window={d.sd_window})")  # fmt: skip
+    if d.batch_verify_rows is not None and (not _int(d.batch_verify_rows) or d.batch_verify_rows < 2):
+        p.append(f"decode.batch_verify_rows={d.batch_verify_rows}: must be null or an integer >= 2")
+    if d.policy not in POLICIES:
+        p.append(f"decode.policy={d.policy!r}: must be one of {', '.join(POLICIES)}")
+    for key in ("draft_survival", "accept_prior"):
+        v = getattr(d, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            p.append(f"decode.{key}={v!r}: must be a number in 0..1")
+    v = d.estimate_rate
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        p.append(f"decode.estimate_rate={v!r}: must be a number in (0, 1]")
+    if not _int(d.batch_size) or not 1 <= d.batch_size <= 64:
+        p.append(f"decode.batch_size={d.batch_size}: must be an integer in 1..64")
+    if sd_needed and d.sd_window is None and d.lookahead == 0:
+        p.append(
+            "decode.lookahead=0 with sd (method=sd or in run.mode=benchmark) and decode.sd_window=null: "
+            "synchronous SD verifies a fixed window: set decode.sd_window or decode.lookahead >= 1"
+        )
+    return p
