@@ -47,7 +47,7 @@ from pipespec_mpi import simulate as sim
 from pipespec_mpi.config import CONF_DIR, METHODS, DecodeConfig, StageConfig, compose_config
 from pipespec_mpi.records import Record
 from pipespec_mpi.simulate.fit import fit_run, load_records
-from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES
+from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_RATES, PaperSetting, paper_ms
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,9 @@ class PlanInputs:
     hierarchy: str | None = None  # conf/hierarchy/<name>.yaml for the overrides
     stage_defs: dict[str, StageConfig] | None = None  # model name -> its stage in that hierarchy
     source: str = ""
+    # the paper's models: predicted as ``pipespec-simulate --preset paper`` predicts them
+    # (simulate/paper.py, paper_ms), not with i.i.d. rates
+    paper: PaperSetting | None = None
 
 
 @dataclass(frozen=True)
@@ -175,18 +178,22 @@ PAPER_STAGE_NAMES = {"1B": "llama-3.2-1b", "8B": "llama-3.1-8b", "70B": "llama-3
 
 
 def paper_inputs(blocking_reads: bool = False) -> PlanInputs:
-    """The paper's models (simulate/paper.py), i.i.d. rates; overrides for the Llama preset."""
+    """The paper's models (simulate/paper.py), predicted in the paper's setting (``PaperSetting``:
+    the authors' acceptance traces, uncapped bounds) so that every configuration gets the number
+    ``pipespec-simulate --preset paper`` prints for it; overrides for the Llama preset."""
     defs = stage_defs_of(PAPER_HIERARCHY) or {}
     stage_defs = {k: defs[v] for k, v in PAPER_STAGE_NAMES.items() if v in defs}
     return PlanInputs(
         models=dict(PAPER_PROFILES),
-        rates=dict(PAPER_RATES["iid"]),
+        rates=dict(PAPER_RATES["trace"]),
         target="70B",
         latency_s=PAPER_LATENCY_S,
         blocking_reads=blocking_reads,
         hierarchy=PAPER_HIERARCHY if len(stage_defs) == 3 else None,
         stage_defs=stage_defs if len(stage_defs) == 3 else None,
-        source="the paper's setting (simulate/paper.py, i.i.d. rates)",
+        source="the paper's setting (simulate/paper.py: the authors' acceptance traces, as pipespec-simulate "
+        "--preset paper)",
+        paper=PaperSetting(blocking_reads=blocking_reads),
     )
 
 
@@ -242,23 +249,34 @@ def evaluate(
         blocking_reads=inp.blocking_reads,
         include_prefill=False,
     )
-    target = inp.models[inp.target]
-    ar_ms = sim.mean_ms_per_token([target], (), replace(base, method="ar"), seeds[:1])
+    paper = inp.paper and replace(
+        inp.paper, n_tokens=n_tokens, seeds=tuple(seeds), max_run_ahead=max_run_ahead, max_verify=max_verify,
+        blocking_reads=inp.blocking_reads,
+    )  # fmt: skip
+
+    def ms_of(
+        method: str, models: tuple[str, ...], rates: tuple[float, ...], window: int, policy: str
+    ) -> float:
+        if paper:
+            return paper_ms(method, models, window, policy, paper)
+        key = {"sd": {"sd_window": window}, "pipespec": {"lookahead": window}}.get(method, {})
+        cfg = replace(base, method=method, decode=replace(decode, policy=policy, **key))
+        return sim.mean_ms_per_token(
+            [inp.models[m] for m in models], rates, cfg, seeds[:1] if method == "ar" else seeds
+        )
+
+    ar_ms = ms_of("ar", (inp.target,), (), 0, "static")
     cands = [Candidate("ar", (inp.target,), 0, ar_ms, 1.0)]
     for models, rates in hierarchies(inp, max_stages, transitive):
         if len(models) < 2:
             continue
-        profs = [inp.models[m] for m in models]
         for method, looks in (("sd", sd_windows), ("pipespec", lookaheads)):
             for la in looks:
                 if la > max_verify or la > max_run_ahead:
                     continue
-                window = {"sd_window": la} if method == "sd" else {"lookahead": la}
-                cfg = replace(base, method=method, decode=replace(decode, **window))
-                ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
+                ms = ms_of(method, models, rates, la, "static")
                 cands.append(Candidate(method, models, la, ms, ar_ms / ms))
-        cfg = replace(base, method="pipespec", decode=replace(decode, policy="adaptive"))
-        ms = sim.mean_ms_per_token(profs, rates, cfg, seeds)
+        ms = ms_of("pipespec", models, rates, 0, "adaptive")
         cands.append(Candidate("pipespec", models, 0, ms, ar_ms / ms, policy="adaptive"))
     return cands
 
@@ -365,10 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-stages", type=int, default=3)
     ap.add_argument("--lookaheads", default="0,1,2,4,8", help="PipeSpec lookaheads to try")
     ap.add_argument("--sd-windows", default="1,2,3,4,6,8", help="SD windows to try")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per simulated prompt")
-    ap.add_argument("--seeds", type=int, default=3, help="simulations per candidate")
-    ap.add_argument("--max-run-ahead", type=int, default=DecodeConfig.max_run_ahead)
-    ap.add_argument("--max-verify", type=int, default=DecodeConfig.max_verify)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per simulated prompt (default 128; the paper: its traces')")  # fmt: skip
+    ap.add_argument(
+        "--seeds", type=int, default=None, help="simulations per candidate (default 3; the paper: 8)"
+    )
+    ap.add_argument("--max-run-ahead", type=int, default=None,
+                    help="default: decode.max_run_ahead's; the paper: 64 (uncapped)")  # fmt: skip
+    ap.add_argument("--max-verify", type=int, default=None,
+                    help="default: decode.max_verify's; the paper: 64")  # fmt: skip
     ap.add_argument("--transitive", action="store_true", help="estimate missing pair rates")
     ap.add_argument(
         "--blocking-reads",
@@ -402,10 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_stages=a.max_stages,
             lookaheads=[int(x) for x in a.lookaheads.split(",") if x.strip()],
             sd_windows=[int(x) for x in a.sd_windows.split(",") if x.strip()],
-            n_tokens=a.tokens,
-            seeds=tuple(range(a.seeds)),
-            max_run_ahead=a.max_run_ahead,
-            max_verify=a.max_verify,
+            n_tokens=a.tokens or (inp.paper.n_tokens if inp.paper else 128),
+            seeds=tuple(range(a.seeds or (len(inp.paper.seeds) if inp.paper else 3))),
+            max_run_ahead=a.max_run_ahead
+            or (inp.paper.max_run_ahead if inp.paper else DecodeConfig.max_run_ahead),
+            max_verify=a.max_verify or (inp.paper.max_verify if inp.paper else DecodeConfig.max_verify),
             transitive=a.transitive,
         )
     except (OSError, ValueError, KeyError) as err:

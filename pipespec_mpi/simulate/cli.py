@@ -20,6 +20,7 @@ from pipespec_mpi.simulate.paper import (
     PAPER_PIPESPEC_LOOKAHEAD,
     PAPER_SD_WINDOW,
     PAPER_TABLE,
+    PaperSetting,
     fit_paper_rates,
     paper_rows,
 )
@@ -92,6 +93,15 @@ def format_fit_markdown(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def paper_setting(a: argparse.Namespace) -> PaperSetting:
+    """The paper's setting as the command line adjusts it (the defaults: ``PaperSetting``)."""
+    cap = a.max_run_ahead or PaperSetting.max_run_ahead
+    return PaperSetting(
+        seeds=tuple(range(max(1, a.seeds))), max_run_ahead=cap, max_verify=a.max_verify or cap,
+        acceptance=a.acceptance, blocking_reads=a.blocking_reads, draft_survival=a.draft_survival,
+    )  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="pipespec-simulate",
@@ -113,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     ap.add_argument("--acceptance", choices=["trace", "iid"], default="trace",
                     help="paper: replay the authors' acceptance traces, or i.i.d. rates")  # fmt: skip
-    ap.add_argument("--seeds", type=int, default=8, help="paper: simulations per row")
+    ap.add_argument("--seeds", type=int, default=len(PaperSetting.seeds), help="paper: simulations per row")
     ap.add_argument("--lookahead", type=int, default=PAPER_PIPESPEC_LOOKAHEAD,
                     help="paper: PipeSpec lookahead")  # fmt: skip
     ap.add_argument("--sd-window", type=int, default=PAPER_SD_WINDOW, help="paper: SD window")
@@ -142,17 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(out, indent=2) if a.json else out)
             return 0
         if a.preset:
-            cap = a.max_run_ahead or 64
             rows = paper_rows(
-                seeds=tuple(range(max(1, a.seeds))),
-                max_run_ahead=cap,
-                max_verify=a.max_verify or cap,
-                sd_window=a.sd_window,
-                pipespec_lookahead=a.lookahead,
-                acceptance=a.acceptance,
-                blocking_reads=a.blocking_reads,
-                policy=a.policy,
-                draft_survival=a.draft_survival,
+                paper_setting(a), sd_window=a.sd_window, pipespec_lookahead=a.lookahead, policy=a.policy
             )
             print(json.dumps(rows, indent=2) if a.json else format_paper_table(rows))
             return 0

@@ -14,7 +14,7 @@ tensors polled by the reference code) are assumed: 1 ms each.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.engine import SimResult, mean_ms_per_token, simulate
@@ -227,41 +227,59 @@ def fit_paper_rates(
     return rates
 
 
-def paper_rows(
-    n_tokens: int = 256,
-    seeds: Sequence[int] = tuple(range(8)),
-    max_run_ahead: int = 64,
-    max_verify: int = 64,
-    sd_window: int = PAPER_SD_WINDOW,
-    pipespec_lookahead: int = PAPER_PIPESPEC_LOOKAHEAD,
-    acceptance: str = "trace",
-    rates: Mapping[tuple[str, str], float] | None = None,
-    latency_s: float = PAPER_LATENCY_S,
-    profiles: Mapping[str, LatencyProfile] | None = None,
-    blocking_reads: bool = False,
-    policy: str = "static",
-    draft_survival: float = 0.0,
-) -> list[dict]:
-    """AR, SD and PipeSpec over the paper's hierarchies, in the paper's setting. ``policy``:
-    PipeSpec's decisions (decode.policy; ``draft_survival`` under the adaptive one: 0 by default
-    here, each stage on a GPU of its own, where a draft that may be thrown away costs no neighbour).
+@dataclass(frozen=True)
+class PaperSetting:
+    """How a prediction in the paper's setting is simulated: the one home of these defaults, read
+    by ``pipespec-simulate --preset paper`` and ``pipespec-plan --preset paper`` alike, so that
+    the two print the same number for the same (method, models, window).
 
     acceptance="trace" replays the authors' recorded acceptance along the target's output (and
-    simulates that many tokens); "iid" uses the per-pair rates for ``n_tokens`` tokens.
-    """
-    profiles = dict(PAPER_PROFILES if profiles is None else profiles)
+    simulates that many tokens); "iid" uses the per-pair rates for ``n_tokens`` tokens. The caps
+    are the reference verifier's (none: 64). ``draft_survival``: decode.draft_survival under the
+    adaptive policy (0 here, each stage on a GPU of its own, where a draft that may be thrown
+    away costs no neighbour)."""
+
+    n_tokens: int = 256
+    seeds: tuple[int, ...] = tuple(range(8))
+    max_run_ahead: int = 64
+    max_verify: int = 64
+    acceptance: str = "trace"
+    rates: Mapping[tuple[str, str], float] | None = None
+    latency_s: float = PAPER_LATENCY_S
+    profiles: Mapping[str, LatencyProfile] | None = None
+    blocking_reads: bool = False
+    draft_survival: float = 0.0
+
+
+def paper_ms(method: str, models: Sequence[str], window: int, policy: str = "static",
+             setting: PaperSetting = PaperSetting()) -> float:  # fmt: skip
+    """Predicted ms/token of one configuration of the paper's models: ``window`` is SD's window
+    or PipeSpec's lookahead (unused by AR and by the adaptive policy)."""
+    profiles = dict(PAPER_PROFILES if setting.profiles is None else setting.profiles)
+    if len(models) > 1:
+        acc, n_trace = paper_acceptance(models, setting.acceptance, setting.rates)
+    else:
+        acc, n_trace = Acceptance(()), None
+    look = 0 if method == "ar" else window
+    cfg = _paper_cfg(method, look, n_trace or setting.n_tokens, setting.max_run_ahead, setting.max_verify,
+                     setting.latency_s, policy, setting.draft_survival)  # fmt: skip
+    cfg = replace(cfg, blocking_reads=setting.blocking_reads)
+    return mean_ms_per_token([profiles[m] for m in models], acc, cfg, setting.seeds)
+
+
+def paper_rows(
+    setting: PaperSetting = PaperSetting(),
+    sd_window: int = PAPER_SD_WINDOW,
+    pipespec_lookahead: int = PAPER_PIPESPEC_LOOKAHEAD,
+    policy: str = "static",
+) -> list[dict]:
+    """AR, SD and PipeSpec over the paper's hierarchies (PAPER_RUNS), in the paper's setting.
+    ``policy``: PipeSpec's decisions (decode.policy)."""
     rows = []
     ar_ms = None
     for method, models in PAPER_RUNS:
-        if len(models) > 1:
-            acc, n_trace = paper_acceptance(models, acceptance, rates)
-        else:
-            acc, n_trace = Acceptance(()), None
-        look = {"ar": 0, "sd": sd_window, "pipespec": pipespec_lookahead}[method]
-        cfg = _paper_cfg(method, look, n_trace or n_tokens, max_run_ahead, max_verify, latency_s,
-                         policy, draft_survival)  # fmt: skip
-        cfg = replace(cfg, blocking_reads=blocking_reads)
-        ms = mean_ms_per_token([profiles[m] for m in models], acc, cfg, seeds)
+        window = {"ar": 0, "sd": sd_window, "pipespec": pipespec_lookahead}[method]
+        ms = paper_ms(method, models, window, policy if method == "pipespec" else "static", setting)
         if method == "ar":
             ar_ms = ms
         rows.append(

@@ -102,3 +102,26 @@ def test_cli_json(tmp_path, capsys):
     assert rows[0]["models"] == ["t"]  # the slowest model is the target by default
     assert all(r["overrides"].startswith("method=") for r in rows)
     assert plan.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_the_planner_predicts_the_paper_setting_as_the_simulator_does():
+    """``pipespec-plan --preset paper`` and ``pipespec-simulate --preset paper`` print the same
+    ms/token for every row of the paper's table: one prediction (simulate/paper.py paper_ms)."""
+    from pipespec_mpi.simulate.paper import (
+        PAPER_PIPESPEC_LOOKAHEAD,
+        PAPER_SD_WINDOW,
+        PaperSetting,
+        paper_rows,
+    )
+
+    setting = PaperSetting(seeds=(0,))
+    rows = paper_rows(setting)
+    cands = plan.evaluate(
+        plan.paper_inputs(), lookaheads=(PAPER_PIPESPEC_LOOKAHEAD,), sd_windows=(PAPER_SD_WINDOW,),
+        n_tokens=setting.n_tokens, seeds=setting.seeds, max_run_ahead=setting.max_run_ahead,
+        max_verify=setting.max_verify,
+    )  # fmt: skip
+    got = {(c.method, c.models): c.ms_per_token for c in cands if c.policy == "static"}
+    assert len(rows) == 7
+    for r in rows:
+        assert got[(r["method"], tuple(r["models"]))] == pytest.approx(r["ms_per_token"], rel=1e-9), r

@@ -377,12 +377,16 @@ def test_the_adaptive_policy_in_the_paper_setting():
     """Deterministic (simulated time): with no setting chosen per hierarchy, the adaptive policy
     runs the three-stage hierarchy faster than the preset's fixed lookahead 4, and every row
     stays lossless (``simulate`` asserts nothing itself; ``mean_ms_per_token`` over real loops)."""
-    from pipespec_mpi.simulate.paper import paper_rows
+    from pipespec_mpi.simulate.paper import PaperSetting, paper_rows
 
-    static = {tuple(r["models"]): r["speedup"] for r in paper_rows(seeds=(0, 1)) if r["method"] == "pipespec"}
+    static = {
+        tuple(r["models"]): r["speedup"]
+        for r in paper_rows(PaperSetting(seeds=(0, 1)))
+        if r["method"] == "pipespec"
+    }
     adaptive = {
         tuple(r["models"]): r["speedup"]
-        for r in paper_rows(seeds=(0, 1), policy="adaptive")
+        for r in paper_rows(PaperSetting(seeds=(0, 1)), policy="adaptive")
         if r["method"] == "pipespec"
     }
     three = ("1B", "8B", "70B")
