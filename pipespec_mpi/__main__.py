@@ -102,7 +102,7 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
         check_world(job.world.size, job.cfg.hierarchy.n_stages)
         code = run(job.cfg, run_dir, job.world, logger)
         if job.world.rank == 0:
-            auto_job.add_measured(run_dir, job.record)
+            auto_job.add_measured(run_dir, job.record, cfg.auto.off_factor)
         job.world.comm.Free()
     auto_job.sleep_at_barrier(world.comm)  # with the spare ranks
     from mpi4py import MPI

@@ -481,6 +481,9 @@ def measure_main(overrides: Sequence[str], ranks: int, force: bool, top: int = 8
         print(f"pipespec_mpi.plan: {err}", file=sys.stderr)
         return 2
     got = "from the cache: " + ", ".join(cal.cached) if cal.cached else "measured"
+    if cal.spot:
+        spot = cal.spot.to_json()
+        got += f" (target step {spot['measured_ms']} ms now, {spot['cached_ms']} cached: {spot['verdict']})"
     if cal.phases:
         got += " (" + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in cal.phases.items()) + ")"
     print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "

@@ -22,8 +22,8 @@ from pipespec_mpi.auto.choose import (
     predict,
     threads_per_rank,
 )
-from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs
-from pipespec_mpi.config import AppConfig, ConfigError
+from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs, one_token_s
+from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -49,15 +49,58 @@ class Node:
         return cls(cores, ranks_on_node, world_size // replicas, bound)
 
 
+def within(a: float, b: float, factor: float) -> bool:
+    """``a`` and ``b`` are at most ``factor`` (>= 1) apart, either way."""
+    return b / factor <= a <= b * factor
+
+
+@dataclass(frozen=True)
+class SpotCheck:
+    """The target's one-token step, timed now, against the cost the cache holds for it: costs
+    measured beside another process (323 ms/token where the target alone takes 25) would
+    otherwise plan every later job on the node."""
+
+    cached_s: float
+    measured_s: float
+    factor: float  # auto.stale_factor
+
+    @property
+    def agrees(self) -> bool:
+        return within(self.measured_s, self.cached_s, self.factor)
+
+    def to_json(self) -> dict:
+        return {
+            "cached_ms": round(1000 * self.cached_s, 3),
+            "measured_ms": round(1000 * self.measured_s, 3),
+            "factor": self.factor,
+            "verdict": "agrees" if self.agrees else "stale: measured again",
+        }
+
+
+def spot_check(
+    hier: HierarchyConfig, costs: dict, threads: int, context: Sequence[int], repeats: int, factor: float
+) -> SpotCheck | None:
+    """Time the target's one-token step alone (one worker, ``threads`` threads, as the cached
+    AR cost was timed) and compare; None where the cache holds no such cost."""
+    last = hier.n_stages - 1
+    cached = next((c for p, c in costs["costs"] if tuple(p) == (last,)), None)
+    if cached is None:
+        return None
+    with Workers(hier, stages=(last,)) as w:
+        now = w.costs((last,), threads, context, (1,), max(3, repeats))
+    return SpotCheck(one_token_s(cached[0]), one_token_s(now[0]), factor)
+
+
 @dataclass(frozen=True)
 class Calibration:
     plan: Plan
     measured: Measured
     seconds: float
     cached: tuple[str, ...]  # which measurements came from the cache: costs, agreement
-    cache_files: tuple[str, ...]
+    cache_files: dict[str, str]  # kind (costs, agreement) -> its cache file
     not_measured: tuple[tuple[str, ...], ...] = ()  # pipelines with a drafter slower than the target
     phases: dict[str, float] | None = None  # seconds: starting the workers, agreement, costs
+    spot: SpotCheck | None = None  # the cached costs' check at start (None: measured now)
 
 
 def calibration_prompts(cfg: AppConfig, tokenizer) -> list[list[int]]:
@@ -119,8 +162,20 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     cache = fingerprint.MeasurementCache(fingerprint.cache_dir(a.cache_dir))
     costs = None if a.force else cache.get("costs", cost_for)
     agree = None if a.force else cache.get("agreement", agree_for)
-    cached = tuple(k for k, v in (("costs", costs), ("agreement", agree)) if v is not None)
     phases: dict[str, float] = {}
+    spot = None
+    if costs is not None:
+        t = time.perf_counter()
+        spot = spot_check(hier, costs, threads[1], calib[0], a.repeats, a.stale_factor)
+        phases["spot_check_s"] = time.perf_counter() - t
+        if spot is not None and not spot.agrees:
+            log.warning(
+                "auto: the cached costs are stale: the target's one-token step took %.2f ms now and "
+                "%.2f ms when cached (more than %gx apart); measuring again",
+                1000 * spot.measured_s, 1000 * spot.cached_s, spot.factor,
+            )  # fmt: skip
+            costs = None
+    cached = tuple(k for k, v in (("costs", costs), ("agreement", agree)) if v is not None)
     if costs is None or agree is None:
         log.info("auto: measuring %d stages, %d pipelines on this machine", hier.n_stages, len(pipelines))
         t = time.perf_counter()
@@ -147,10 +202,13 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         agreement=Agreement.from_json(agree),
     )
     plan = predict(measured, cfg.decode, max_k, a.margin, batch_sizes=a.batch_sizes)
-    files = (str(cache.path("costs", cost_for)), str(cache.path("agreement", agree_for)))
+    files = {
+        "costs": str(cache.path("costs", cost_for)),
+        "agreement": str(cache.path("agreement", agree_for)),
+    }
     names = measured.stages
     skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)
-    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped, phases)
+    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped, phases, spot)
 
 
 def summary(cal: Calibration) -> dict:
@@ -160,7 +218,8 @@ def summary(cal: Calibration) -> dict:
         "calibration_s": round(cal.seconds, 2),
         "calibration_phases_s": {k: round(v, 2) for k, v in (cal.phases or {}).items()},
         "from_cache": list(cal.cached),
-        "cache_files": list(cal.cache_files),
+        "cache_files": dict(cal.cache_files),
+        "spot_check": cal.spot.to_json() if cal.spot else None,
         "not_measured": [" -> ".join(p) for p in cal.not_measured],
         "stages": list(cal.measured.stages),
         "rates": {f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},

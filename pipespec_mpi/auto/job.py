@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipespec_mpi.analysis.metrics import group_key
-from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary
+from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary, within
 from pipespec_mpi.auto.choose import realize, table
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
@@ -43,10 +43,11 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
     cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
     chosen = realize(cfg, cal.plan, node.bound)
     log.info(
-        "auto: %s in %.1f s%s\n%s",
+        "auto: %s in %.1f s%s%s\n%s",
         "planned" if cal.cached else "measured and planned",
         cal.seconds,
         f" (from the cache: {', '.join(cal.cached)})" if cal.cached else "",
+        f"; spot check of the cached costs: {cal.spot.to_json()}" if cal.spot else "",
         table(cal.plan),
     )
     record = {
@@ -88,8 +89,11 @@ def write_plan(run_dir: Path, record: dict) -> None:
     (run_dir / PLAN).write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
-def add_measured(run_dir: Path, record: dict) -> None:
-    """After the run: the measured ms/token beside the prediction (rank 0)."""
+def add_measured(run_dir: Path, record: dict, off_factor: float) -> None:
+    """After the run (rank 0): the measured ms/token beside the prediction. A run further from
+    its prediction than ``off_factor`` (auto.off_factor) either way says so, in plan.json and
+    the log, and drops the cached costs it was planned from (the agreement stays: greedy paths
+    do not depend on the node's load), so that the next job measures them again."""
     measured = {m: s.ms_per_token for m, s in read_summary(run_dir / SUMMARY).items()}
     record = {**record, "measured_ms_per_token": measured}
     chosen = record["chosen"]
@@ -105,6 +109,17 @@ def add_measured(run_dir: Path, record: dict) -> None:
             f"{chosen['ms_per_token']:.2f} (AR predicted {record['ar']['ms_per_token']:.2f})",
             flush=True,
         )
+        if not within(got, chosen["ms_per_token"], off_factor):
+            costs = record.get("cache_files", {}).get("costs")
+            if costs:
+                Path(costs).unlink(missing_ok=True)
+            record["prediction_off"] = (
+                f"measured {got:.2f} ms/token, {got / chosen['ms_per_token']:.2f}x the prediction (more than "
+                f"{off_factor:g}x apart): the cached costs it was planned from are dropped ({costs}); "
+                "the next job measures them again"
+            )
+            log.warning("auto: %s", record["prediction_off"])
+            print(f"[pipespec_mpi] auto: {record['prediction_off']}", flush=True)
     write_plan(run_dir, record)
 
 

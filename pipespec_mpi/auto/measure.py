@@ -92,16 +92,23 @@ class Worker:
 class Workers:
     """A worker per candidate stage, started together (their loads overlap), closed together."""
 
-    def __init__(self, hier: HierarchyConfig, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, hier: HierarchyConfig, timeout_s: float = 300.0, stages: Sequence[int] | None = None
+    ) -> None:
+        """Workers for ``stages`` (default: every stage; a subset cannot measure agreement)."""
         self.hier = hier
-        self.all: list[Worker] = []
+        self.by_stage: dict[int, Worker] = {}
         try:
-            for i in range(hier.n_stages):
-                self.all.append(Worker(hier, i, timeout_s))
-            self.load_s = [w.reply()["ready"] for w in self.all]
+            for i in range(hier.n_stages) if stages is None else stages:
+                self.by_stage[i] = Worker(hier, i, timeout_s)
+            self.load_s = [w.reply()["ready"] for w in self.by_stage.values()]
         except BaseException:
             self.close()
             raise
+
+    @property
+    def all(self) -> list[Worker]:
+        return list(self.by_stage.values())
 
     def __enter__(self) -> Workers:
         return self
@@ -122,7 +129,7 @@ class Workers:
         repeats: int,
     ) -> list[dict]:
         """Every stage of ``pipeline`` timed together: its (n, seconds) ``points``, ``prefill_s``."""
-        ws = [self.all[i] for i in pipeline]
+        ws = [self.by_stage[i] for i in pipeline]
         cmd = {"do": "cost", "threads": threads, "context": list(context),
                "token_counts": list(token_counts), "repeats": repeats}  # fmt: skip
         for w in ws:
@@ -137,6 +144,8 @@ class Workers:
     def agreement(
         self, prompts: Sequence[Sequence[int]], tokens: int, eos: int | None, threads: int
     ) -> Agreement:
+        if len(self.by_stage) != self.hier.n_stages:
+            raise ValueError("agreement needs a worker for every stage")
         target = self.all[-1]
         target.send({"do": "path", "threads": threads, "prompts": [list(p) for p in prompts],
                      "tokens": tokens, "eos": eos})  # fmt: skip

@@ -205,6 +205,9 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"auto.repeats={a.repeats}: must be an integer >= 1")
     if a.margin < 0:
         p.append(f"auto.margin={a.margin}: must be >= 0")
+    for name in ("stale_factor", "off_factor"):
+        if not getattr(a, name) > 1:
+            p.append(f"auto.{name}={getattr(a, name)}: must be > 1 (a factor, either way)")
     if not _int(a.max_stages) or a.max_stages < 1:
         p.append(f"auto.max_stages={a.max_stages}: must be an integer >= 1")
     if not a.batch_sizes or any(not _int(b) or not 1 <= b <= 64 for b in a.batch_sizes):

@@ -255,6 +255,13 @@ class AutoConfig:
     max_stages: int = 4
     cache_dir: str | None = None  # None: $PIPESPEC_CACHE_DIR or ~/.cache/pipespec_mpi
     force: bool = False  # measure again even when the cache has this machine and prompt set
+    # how far apart (a factor, either way) the target's step timed at start and its cached cost
+    # may be before the cached costs are measured again (one timing of the same thing: 1.5x)
+    stale_factor: float = 1.5
+    # how far a run's ms/token may be from the prediction before plan.json and the log say so and
+    # the cached costs are dropped (a model's prediction: tiny models, all loop overhead, ran at
+    # 1.7x theirs; SmolLM2 within 25%; costs cached beside a busy process at 12x)
+    off_factor: float = 2.0
     # batch sizes the plan may choose from (decode.batch_size): the highest predicted throughput,
     # speculation only where it beats the best batched AR by ``margin``; (1,): one sequence at a time
     batch_sizes: tuple[int, ...] = (1,)

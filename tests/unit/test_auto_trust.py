@@ -1,0 +1,78 @@
+"""hierarchy=auto checks its measurements before it trusts them: a cached cost is spot-checked
+against one short timing of the target (real measuring workers on the tiny models), and a run far
+from its prediction says so and drops the cached costs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipespec_mpi.auto import job
+from pipespec_mpi.auto.calibrate import Node, SpotCheck, calibrate, calibration_prompts, within
+from pipespec_mpi.config import compose_config
+
+QUICK = ["hierarchy=tiny2", "dataset=synthetic", "hierarchy.choose=true", "auto.calibration_prompts=1",
+         "auto.calibration_tokens=8", "auto.repeats=2", "auto.token_counts=[1,2]",
+         "auto.max_stages=1"]  # fmt: skip
+
+
+def test_within_is_a_factor_either_way():
+    assert within(10.0, 10.0, 1.5) and within(14.9, 10.0, 1.5) and within(6.7, 10.0, 1.5)
+    assert not within(15.1, 10.0, 1.5) and not within(6.6, 10.0, 1.5)
+    assert SpotCheck(0.323, 0.025, 1.5).to_json()["verdict"] == "stale: measured again"
+    assert SpotCheck(0.025, 0.027, 1.5).agrees
+
+
+def test_a_stale_cached_cost_is_measured_again(tmp_path):
+    """The cache as a job beside a busy process would have left it: every cost 1000x what this
+    machine takes now. The spot check catches it, the costs are measured again and re-cached;
+    the agreement (no timing in it) still comes from the cache."""
+    from pipespec_mpi.models.loader import load_tokenizer
+
+    cfg = compose_config([*QUICK, f"auto.cache_dir={tmp_path}"])
+    node = Node(cores=2, ranks_on_node=3, ranks_per_replica=3, bound=False)
+    tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+    prompts = calibration_prompts(cfg, tok)
+    first = calibrate(cfg, prompts, tok.eos_token_id, node)
+    assert first.cached == () and first.spot is None
+    path = Path(first.cache_files["costs"])
+    doc = json.loads(path.read_text())
+    for _, stages in doc["value"]["costs"]:
+        for cost in stages:
+            cost["points"] = [[n, 1000 * s] for n, s in cost["points"]]
+    path.write_text(json.dumps(doc))
+
+    again = calibrate(cfg, prompts, tok.eos_token_id, node)
+    assert again.spot is not None and not again.spot.agrees
+    assert again.spot.cached_s > 100 * again.spot.measured_s
+    assert again.cached == ("agreement",)
+    fresh = json.loads(path.read_text())["value"]
+    target_alone = next(c for p, c in fresh["costs"] if p == [cfg.hierarchy.n_stages - 1])
+    assert dict(target_alone[0]["points"])[1] < again.spot.cached_s / 100  # re-cached as measured now
+
+
+@pytest.mark.parametrize("measured_ms, off", [(30.0, False), (49.0, False), (60.0, True), (10.0, True)])
+def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
+    tmp_path, monkeypatch, measured_ms, off
+):
+    costs = tmp_path / "costs.json"
+    costs.write_text("{}")
+    agreement = tmp_path / "agreement.json"
+    agreement.write_text("{}")
+    summary = {
+        "pipespec": SimpleNamespace(ms_per_token=measured_ms),
+        "ar": SimpleNamespace(ms_per_token=60.0),
+    }
+    monkeypatch.setattr(job, "read_summary", lambda path: summary)
+    record = {"chosen": {"method": "pipespec", "ms_per_token": 25.0, "batch_size": 1},
+              "ar": {"ms_per_token": 50.0},
+              "cache_files": {"costs": str(costs), "agreement": str(agreement)}}  # fmt: skip
+    job.add_measured(tmp_path, record, off_factor=2.0)
+    plan = json.loads((tmp_path / job.PLAN).read_text())
+    assert plan["measured_vs_predicted"] == pytest.approx(measured_ms / 25.0, abs=1e-3)
+    assert ("prediction_off" in plan) == off
+    assert costs.exists() != off  # dropped only when the run was far off
+    assert agreement.exists()  # greedy paths do not depend on the node's load
