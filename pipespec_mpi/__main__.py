@@ -90,9 +90,9 @@ def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
 
 
 def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
-    """``hierarchy=auto``: plan (auto/job.py), run the plan on the ranks it uses; every rank
+    """``hierarchy=auto``: plan (plan/job.py), run the plan on the ranks it uses; every rank
     leaves together, with the job's exit code."""
-    from pipespec_mpi.auto import job as auto_job
+    from pipespec_mpi.plan import job as auto_job
 
     job = auto_job.resolve(cfg, world)
     if world.rank == 0:

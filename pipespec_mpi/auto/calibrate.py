@@ -1,6 +1,7 @@
-"""Measure (or read from the cache) and choose: what ``hierarchy=auto`` and ``plan --measure`` do.
+"""Measure (or read from the cache, checked): what ``hierarchy=auto`` and ``plan --measure`` plan
+from. "Calibrate" means this only: measuring this node.
 
-No MPI here: the job's rank 0 calls ``calibrate`` and broadcasts the plan (auto/job.py).
+No MPI here: the job's rank 0 calls ``calibrate``, plans (plan/job.py) and broadcasts the plan.
 """
 
 from __future__ import annotations
@@ -14,15 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.auto import fingerprint
-from pipespec_mpi.auto.choose import (
-    Measured,
-    Plan,
-    agreement_rate,
-    candidates,
-    predict,
-    threads_per_rank,
-)
 from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs, one_token_s
+from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, threads_per_rank
 from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
 
 log = logging.getLogger("pipespec_mpi")
@@ -93,8 +87,8 @@ def spot_check(
 
 @dataclass(frozen=True)
 class Calibration:
-    plan: Plan
     measured: Measured
+    max_stages: int  # stages a plan may use here (auto.max_stages, and the ranks of a replica)
     seconds: float
     cached: tuple[str, ...]  # which measurements came from the cache: costs, agreement
     cache_files: dict[str, str]  # kind (costs, agreement) -> its cache file
@@ -201,20 +195,18 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         threads=threads,
         agreement=Agreement.from_json(agree),
     )
-    plan = predict(measured, cfg.decode, max_k, a.margin, batch_sizes=a.batch_sizes)
     files = {
         "costs": str(cache.path("costs", cost_for)),
         "agreement": str(cache.path("agreement", agree_for)),
     }
     names = measured.stages
     skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)
-    return Calibration(plan, measured, time.perf_counter() - t0, cached, files, skipped, phases, spot)
+    return Calibration(measured, max_k, time.perf_counter() - t0, cached, files, skipped, phases, spot)
 
 
 def summary(cal: Calibration) -> dict:
-    """The plan as the run record keeps it."""
+    """The measurements as the run's plan.json keeps them."""
     return {
-        **cal.plan.to_json(),
         "calibration_s": round(cal.seconds, 2),
         "calibration_phases_s": {k: round(v, 2) for k, v in (cal.phases or {}).items()},
         "from_cache": list(cal.cached),

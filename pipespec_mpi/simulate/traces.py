@@ -27,7 +27,7 @@ _ACTIONS = ("draft", "verify", "own")
 def load_records(run_dir: str | Path) -> list[Record]:
     """The run's non-warm-up records of one sequence at a time, in file order (a batched
     record's forwards served other sequences too: its timeline is not one stage's cost; batched
-    runs are predicted from the planner's measured costs, auto/choose.py)."""
+    runs are predicted from the planner's measured costs, auto/measured.py)."""
     path = Path(run_dir) / RESULTS
     if not path.exists():
         raise FileNotFoundError(f"{path}: no {RESULTS} (is {run_dir} a run directory?)")

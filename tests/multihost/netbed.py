@@ -3,7 +3,7 @@ and a wire process carries the IP packets between the hosts' TUN devices, after 
 delay (an interconnect's latency; this kernel has no netem, so the wire is the delay line).
 
     python tests/multihost/netbed.py up --hosts 2 --delay-ms 0.1     # two hosts, 0.1 ms each way
-    python tests/multihost/netbed.py mpirun -n 6 --ppn 3 -- python -m pipespec_mpi hierarchy=tiny  # 2 replicas
+    python tests/multihost/netbed.py mpirun -n 6 --ppn 3 -- python -m pipespec_mpi hierarchy=tiny
     python tests/multihost/netbed.py down
 
 ``mpirun`` runs MPICH's hydra inside host 0 with ``-hosts`` set to the hosts' addresses and a

@@ -1,4 +1,5 @@
-"""hierarchy=auto's choice on synthetic measurements (pure: no process, no model)."""
+"""hierarchy=auto's choice on synthetic measurements (pure: no process, no model): the planner's
+search over a ``MeasuredSource`` with ``AUTO_GRID``, as plan/job.py ``choose`` runs it."""
 
 from __future__ import annotations
 
@@ -7,19 +8,27 @@ from dataclasses import replace
 
 import pytest
 
-from pipespec_mpi.auto.choose import (
+from pipespec_mpi.auto.fingerprint import MeasurementCache, cpu_identity
+from pipespec_mpi.auto.measure import Agreement
+from pipespec_mpi.auto.measured import (
     Measured,
     agreement_rate,
     candidates,
     lookup_rates,
-    predict,
-    realize,
     run_trace,
     threads_per_rank,
 )
-from pipespec_mpi.auto.fingerprint import MeasurementCache, cpu_identity
-from pipespec_mpi.auto.measure import Agreement
 from pipespec_mpi.config import DecodeConfig, StageConfig, compose_config
+from pipespec_mpi.plan.options import AUTO_GRID
+from pipespec_mpi.plan.realize import realize
+from pipespec_mpi.plan.search import search
+from pipespec_mpi.plan.sources import MeasuredSource
+
+
+def predict(m, decode, max_stages, margin, seeds=(0,), batch_sizes=(1,)):
+    grid = replace(AUTO_GRID, batch_sizes=batch_sizes)
+    return search(MeasuredSource(m, seeds), decode, grid, max_stages, margin)
+
 
 STAGES = (
     StageConfig("lookup", "prompt_lookup"),
@@ -202,3 +211,35 @@ def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
     names = tuple(st.name for st in tiny.hierarchy.stages[1:])
     batched = replace(plan.best_speculative, pipeline=names, batch_size=4)
     assert realize(tiny, replace(plan, chosen=batched), bound=False).decode.batch_size == 4
+
+
+def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, monkeypatch, capsys):
+    """hierarchy=auto's choice (rank 0), ``pipespec-plan --measure`` and ``pipespec-plan --from``
+    the job's run directory, fed the same measurements, choose the same option: one search."""
+    from types import SimpleNamespace
+
+    from pipespec_mpi.auto import calibrate as calibrate_module
+    from pipespec_mpi.auto.calibrate import Calibration
+    from pipespec_mpi.plan import cli, job
+    from pipespec_mpi.plan.options import Option
+    from pipespec_mpi.plan.table import format_options
+
+    base = ["hierarchy=tiny2", "dataset=synthetic", f"auto.cache_dir={tmp_path / 'cache'}"]
+    cfg = compose_config([*base, "hierarchy.choose=true"])
+    m = replace(measured(drafter_ms=4, rate=0.8), stages=tuple(s.name for s in cfg.hierarchy.stages))
+    cal = Calibration(m, max_stages=2, seconds=0.0, cached=("costs", "agreement"), cache_files={})
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: cal)
+    monkeypatch.setattr(job, "calibrate", lambda *a, **k: cal)
+    _, record = job.choose_on_rank0(cfg, SimpleNamespace(size=2, local_size=2))
+    run = tmp_path / "run"
+    run.mkdir()
+    job.write_plan(run, record)
+    chosen = Option(**{**record["chosen"], "pipeline": tuple(record["chosen"]["pipeline"])})
+    assert chosen.method in ("sd", "pipespec")
+    line = format_options([chosen], chosen)[1]
+    assert cli.main(["--from", str(run)]) == 0
+    from_run = capsys.readouterr().out
+    assert cli.main(["--measure", "--ranks", "2", *base]) == 0
+    measured_here = capsys.readouterr().out
+    for out in (from_run, measured_here):
+        assert line in out.splitlines(), out

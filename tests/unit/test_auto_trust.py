@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipespec_mpi.auto import job
 from pipespec_mpi.auto.calibrate import Node, SpotCheck, calibrate, calibration_prompts, within
 from pipespec_mpi.config import compose_config
+from pipespec_mpi.plan import job
 
 QUICK = ["hierarchy=tiny2", "dataset=synthetic", "hierarchy.choose=true", "auto.calibration_prompts=1",
          "auto.calibration_tokens=8", "auto.repeats=2", "auto.token_counts=[1,2]",

@@ -1,4 +1,5 @@
-"""The planner: inputs from a config, the search space, the ranking and the Hydra overrides."""
+"""The planner: inputs from a config, the search space, the ranking and the Hydra overrides;
+the paper's setting predicted as the simulator predicts it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from pipespec_mpi import plan
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.plan import cli, sources
+from pipespec_mpi.plan.options import Grid, Option
+from pipespec_mpi.plan.realize import overrides
+from pipespec_mpi.plan.search import search
 
 CONFIG = """
 hierarchy: tiny
@@ -27,7 +32,7 @@ acceptance:
 def inputs(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text(CONFIG)
-    return plan.load_plan_config(path)
+    return sources.load_plan_config(path)
 
 
 def test_config_is_read(inputs):
@@ -39,19 +44,22 @@ def test_config_is_read(inputs):
 
 
 def test_search_space_needs_pair_rates(inputs):
-    found = {m for m, _ in plan.hierarchies(inputs, 3, transitive=False)}
+    found = {m for m, _ in sources.hierarchies(inputs, 3, transitive=False)}
     assert ("tiny-target-4L",) in found
     assert ("tiny-mid-3L", "tiny-target-4L") in found
     assert ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L") in found
     assert ("tiny-draft-1L", "tiny-target-4L") not in found  # no rate for that pair
     assert ("tiny-mid-3L", "tiny-draft-1L", "tiny-target-4L") not in found
-    rates = dict(plan.hierarchies(inputs, 3, transitive=True))
+    rates = dict(sources.hierarchies(inputs, 3, transitive=True))
     assert rates[("tiny-draft-1L", "tiny-target-4L")] == (pytest.approx(0.72),)
 
 
 def test_every_method_gets_a_best_configuration(inputs):
-    cands = plan.evaluate(inputs, max_stages=3, lookaheads=(0, 2), sd_windows=(2, 4), n_tokens=48, seeds=(0,))
-    best = plan.best(cands, top=2)
+    grid = Grid(lookaheads=(0, 2), sd_windows=(2, 4))
+    found = search(
+        sources.RateSource(inputs, seeds=(0,)), DecodeConfig(max_new_tokens=48, policy="static"), grid, 3
+    )
+    best = found.best(2)
     assert best["ar"][0].speedup == 1.0
     assert best["ar"][0].ms_per_token == pytest.approx(10.0)
     for m in ("sd", "pipespec"):
@@ -61,30 +69,31 @@ def test_every_method_gets_a_best_configuration(inputs):
 
 
 def test_overrides_are_hydra_ready(inputs):
-    c = plan.Candidate("pipespec", ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L"), 2, 5.0, 2.0)
-    assert plan.overrides(c, inputs) == "hierarchy=tiny method=pipespec decode.lookahead=2"
-    c = plan.Candidate("sd", ("tiny-mid-3L", "tiny-target-4L"), 4, 5.0, 2.0)
-    o = plan.overrides(c, inputs)  # SD's window is decode.sd_window
+    c = Option("pipespec", ("tiny-draft-1L", "tiny-mid-3L", "tiny-target-4L"), 2, 5.0, 2.0)
+    assert overrides(c, inputs) == "hierarchy=tiny method=pipespec decode.lookahead=2"
+    c = Option("sd", ("tiny-mid-3L", "tiny-target-4L"), 4, 5.0, 2.0)
+    o = overrides(c, inputs)  # SD's window is decode.sd_window
     assert o.startswith("hierarchy=tiny method=sd decode.sd_window=4 'hierarchy.stages=[{name: tiny-mid-3L")
     assert "layers: 3" in o and "noise: 0.05" in o and o.endswith("}]'")
     assert "flat_linear" not in o  # only what differs from a stage's defaults
 
 
 def test_overrides_name_a_matching_preset():
-    inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2",
-                          stage_defs=plan.stage_defs_of("smollm2"))  # fmt: skip
-    c = plan.Candidate("pipespec", ("smollm2-135m-w8", "smollm2-135m"), 0, 1.0, 1.0)
-    assert plan.overrides(c, inp).startswith("hierarchy=smollm2_w8 ")
+    inp = sources.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2",
+                          stage_defs=sources.stage_defs_of("smollm2"))  # fmt: skip
+    c = Option("pipespec", ("smollm2-135m-w8", "smollm2-135m"), 0, 1.0, 1.0)
+    assert overrides(c, inp).startswith("hierarchy=smollm2_w8 ")
 
 
 def test_overrides_remap_copy_of():
     rename = {"smollm2-135m-w8": "my-w8"}  # so that the candidate matches no preset
     defs = {
-        rename.get(k, k): replace(v, name=rename.get(k, k)) for k, v in plan.stage_defs_of("smollm2").items()
+        rename.get(k, k): replace(v, name=rename.get(k, k))
+        for k, v in sources.stage_defs_of("smollm2").items()
     }
-    inp = plan.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2", stage_defs=defs)
-    c = plan.Candidate("pipespec", ("my-w8", "smollm2-135m"), 0, 1.0, 1.0)
-    o = plan.overrides(c, inp)
+    inp = sources.PlanInputs(models={}, rates={}, target="smollm2-135m", hierarchy="smollm2", stage_defs=defs)
+    c = Option("pipespec", ("my-w8", "smollm2-135m"), 0, 1.0, 1.0)
+    o = overrides(c, inp)
     assert "copy_of: 1" in o and "prompt-lookup" not in o
 
 
@@ -96,12 +105,12 @@ def test_cli_json(tmp_path, capsys):
     }))  # fmt: skip
     argv = ["--config", str(path), "--json", "--tokens", "32", "--seeds", "1", "--lookaheads", "0,2",
             "--sd-windows", "2,4", "--top", "1"]  # fmt: skip
-    assert plan.main(argv) == 0
+    assert cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
     assert rows[0]["models"] == ["t"]  # the slowest model is the target by default
     assert all(r["overrides"].startswith("method=") for r in rows)
-    assert plan.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert cli.main(["--config", str(tmp_path / "missing.yaml")]) == 2
 
 
 def test_the_planner_predicts_the_paper_setting_as_the_simulator_does():
@@ -116,12 +125,11 @@ def test_the_planner_predicts_the_paper_setting_as_the_simulator_does():
 
     setting = PaperSetting(seeds=(0,))
     rows = paper_rows(setting)
-    cands = plan.evaluate(
-        plan.paper_inputs(), lookaheads=(PAPER_PIPESPEC_LOOKAHEAD,), sd_windows=(PAPER_SD_WINDOW,),
-        n_tokens=setting.n_tokens, seeds=setting.seeds, max_run_ahead=setting.max_run_ahead,
-        max_verify=setting.max_verify,
-    )  # fmt: skip
-    got = {(c.method, c.models): c.ms_per_token for c in cands if c.policy == "static"}
+    decode = DecodeConfig(max_new_tokens=setting.n_tokens, max_run_ahead=setting.max_run_ahead,
+                          max_verify=setting.max_verify, policy="static")  # fmt: skip
+    grid = Grid(lookaheads=(PAPER_PIPESPEC_LOOKAHEAD,), sd_windows=(PAPER_SD_WINDOW,))
+    found = search(sources.RateSource(sources.paper_inputs(), seeds=setting.seeds), decode, grid, 3)
+    got = {(o.method, o.pipeline): o.ms_per_token for o in found.options if o.policy == "static"}
     assert len(rows) == 7
     for r in rows:
         assert got[(r["method"], tuple(r["models"]))] == pytest.approx(r["ms_per_token"], rel=1e-9), r

@@ -294,7 +294,7 @@ def test_cli_from_run_json(tmp_path, capsys):
 
 
 def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys):
-    from pipespec_mpi.plan import inputs_from_run
+    from pipespec_mpi.plan.sources import inputs_from_run
 
     run = _synthetic_run(tmp_path / "run")
     _fix_lookahead(run)

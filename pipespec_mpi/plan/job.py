@@ -9,18 +9,24 @@ hold no model and sleep until the job ends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.analysis.metrics import group_key
 from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary, within
-from pipespec_mpi.auto.choose import realize, table
+from pipespec_mpi.auto.measured import Measured
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
-from pipespec_mpi.config import AppConfig
+from pipespec_mpi.config import AppConfig, DecodeConfig
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.plan.options import AUTO_GRID, Plan
+from pipespec_mpi.plan.realize import realize
+from pipespec_mpi.plan.search import search
+from pipespec_mpi.plan.sources import MeasuredSource
+from pipespec_mpi.plan.table import table
 from pipespec_mpi.records import SUMMARY, read_summary
 
 log = logging.getLogger("pipespec_mpi")
@@ -34,6 +40,60 @@ class AutoJob:
     record: dict  # what plan.json holds
 
 
+@dataclass(frozen=True)
+class SearchInputs:
+    """Everything a plan from measurements is computed from; plan.json keeps it (``inputs``), so
+    that ``pipespec-plan --from RUN`` plans again from exactly what the job planned from."""
+
+    measured: Measured
+    decode: DecodeConfig
+    max_stages: int
+    margin: float
+    batch_sizes: tuple[int, ...]
+
+    def plan(self) -> Plan:
+        grid = replace(AUTO_GRID, batch_sizes=self.batch_sizes)
+        return search(MeasuredSource(self.measured), self.decode, grid, self.max_stages, self.margin)
+
+    def to_json(self) -> dict:
+        return {
+            "measured": self.measured.to_json(),
+            "decode": dataclasses.asdict(self.decode),
+            "max_stages": self.max_stages,
+            "margin": self.margin,
+            "batch_sizes": list(self.batch_sizes),
+        }
+
+    @classmethod
+    def from_json(cls, node: dict) -> SearchInputs:
+        measured, decode = Measured.from_json(node["measured"]), DecodeConfig(**node["decode"])
+        return cls(
+            measured, decode, int(node["max_stages"]), float(node["margin"]), tuple(node["batch_sizes"])
+        )
+
+
+def search_inputs(cfg: AppConfig, cal: Calibration) -> SearchInputs:
+    return SearchInputs(
+        cal.measured, cfg.decode, cal.max_stages, cfg.auto.margin, tuple(cfg.auto.batch_sizes)
+    )
+
+
+def choose(cfg: AppConfig, cal: Calibration) -> Plan:
+    """The plan from this node's measurements: what ``hierarchy=auto`` runs and
+    ``pipespec-plan --measure`` prints (the same call, so the same choice)."""
+    return search_inputs(cfg, cal).plan()
+
+
+def replan(run_dir: Path) -> Plan | None:
+    """The plan again from what a ``hierarchy=auto`` run planned from (its plan.json), or None
+    when the run is not one."""
+    path = Path(run_dir) / PLAN
+    if not path.is_file():
+        return None
+    node = json.loads(path.read_text()).get("inputs")
+    return SearchInputs.from_json(node).plan() if node else None
+
+
 def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
     from pipespec_mpi.models.loader import load_tokenizer
 
@@ -41,22 +101,25 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
     prompts = calibration_prompts(cfg, tok)
     cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
-    chosen = realize(cfg, cal.plan, node.bound)
+    plan = choose(cfg, cal)
+    chosen = realize(cfg, plan, node.bound)
     log.info(
         "auto: %s in %.1f s%s%s\n%s",
         "planned" if cal.cached else "measured and planned",
         cal.seconds,
         f" (from the cache: {', '.join(cal.cached)})" if cal.cached else "",
         f"; spot check of the cached costs: {cal.spot.to_json()}" if cal.spot else "",
-        table(cal.plan),
+        table(plan),
     )
     record = {
+        **plan.to_json(),
         **summary(cal),
         "candidates": cfg.hierarchy.name,
         "runs": {"hierarchy": chosen.hierarchy.name, "method": chosen.method,
                  "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window,
                  "max_run_ahead": chosen.decode.max_run_ahead},
         "machine": {"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
+        "inputs": search_inputs(cfg, cal).to_json(),
     }  # fmt: skip
     return chosen, record
 

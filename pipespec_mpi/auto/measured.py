@@ -1,0 +1,150 @@
+"""What ``hierarchy=auto`` measured, as data (cached as JSON): the candidate pipelines of a
+hierarchy, the threads each rank gets, and along the target's greedy paths what every stage
+proposed, read as agreement rates and lookup traces. The plan made from it: plan/sources.py
+(``MeasuredSource``) and plan/search.py.
+
+Notation (per candidate pipeline P = (s_0, ..., s_{k-1} = target) of the hierarchy's stages):
+  cost_P[s](n)   measured seconds of stage s's forward over n new tokens while P's other stages
+                 run beside it, each rank with threads(k) threads
+  a(x -> y)      agreement: over the positions of the target's greedy paths where x proposes,
+                 the fraction where x's token equals y's (y = target: the path's own token)
+  ms_P           the simulator's ms/token for P: the real stage loop replaying, prompt by
+                 prompt, what each drafter proposed at each position of the target's path (a
+                 lookup stage: its whole runs, ``run_trace``), i.i.d. a(s_j -> s_j+1) off the
+                 path, each prompt's prefill included (a fifth of a 64-token HumanEval job's
+                 time on the 2-core EPYC: leaving it out overstates every speedup)
+AR is the target alone with threads(1): ``ms_AR``. The plan is the fastest (method, P, window)
+if ms_AR / ms >= 1 + margin, else AR: speculation must be predicted to pay by a margin.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pipespec_mpi.auto.measure import Agreement
+from pipespec_mpi.config import DRAFTER_KINDS, StageConfig
+
+Pipeline = tuple[int, ...]  # stage indices of the candidate hierarchy, smallest first, target last
+
+
+def candidates(stages: Sequence[StageConfig], max_stages: int) -> list[Pipeline]:
+    """Every ordered subset of the stages that ends with the last (the target): a lookup stage
+    only first, a copy only with the stage it copies."""
+    last = len(stages) - 1
+    out = []
+    for k in range(0, min(max_stages, len(stages))):
+        for drafters in itertools.combinations(range(last), k):
+            p = (*drafters, last)
+            if any(stages[i].kind in DRAFTER_KINDS for i in p[1:]):
+                continue
+            if any(stages[i].copy_of is not None and stages[i].copy_of not in p for i in p):
+                continue
+            out.append(p)
+    return out
+
+
+def threads_per_rank(k: int, replicas: int, cores: int, ranks_on_node: int, bound: bool) -> int:
+    """Threads of each rank when k-stage pipelines run: the node's cores split among its active
+    ranks, or, when the launcher binds each rank to its own cores (``bound``), all of those."""
+    if bound:
+        return cores
+    active = min(ranks_on_node, k * replicas)
+    return max(1, cores // active)
+
+
+def agreement_rate(ag: Agreement, drafter: int, verifier: int) -> float | None:
+    """a(drafter -> verifier); None when the drafter never proposes. The last stage's token is the
+    path's (its greedy output), every other stage's its teacher-forced argmax."""
+    hits = agree = 0
+    for p in range(len(ag.paths)):
+        theirs = ag.tokens_of(verifier, p)
+        for i, tok in enumerate(ag.first(drafter, p)):
+            if tok >= 0:
+                hits += 1
+                agree += tok == theirs[i]
+    return agree / hits if hits else None
+
+
+def lookup_rates(ag: Agreement, stage: int) -> tuple[float, float]:
+    """A lookup stage's (hit rate, chain rate): how often it finds a continuation, and how often
+    it finds one again at the position right after one it found."""
+    hits = chained = after_hit = n = 0
+    for runs in ag.proposals[stage]:
+        for i, run in enumerate(runs):
+            n += 1
+            hits += bool(run)
+            if i and runs[i - 1]:
+                after_hit += 1
+                chained += bool(run)
+    hit = hits / n if n else 0.0
+    return hit, (chained / after_hit if after_hit else hit)
+
+
+def matched(run: Sequence[int], theirs: Sequence[int], at: int) -> int:
+    """How many leading tokens of ``run``, proposed at position ``at``, equal ``theirs``."""
+    m = 0
+    while m < len(run) and at + m < len(theirs) and run[m] == theirs[at + m]:
+        m += 1
+    return m
+
+
+def run_trace(
+    runs: Sequence[Sequence[int]], theirs: Sequence[int], method: str, window: int
+) -> dict[int, bool]:
+    """A lookup stage's verdicts along the path, proposal by proposal as the loop meets them.
+
+    A lookup proposal is a run copied from earlier text: it matches for a while, then stops
+    matching, so its tokens' verdicts are not independent. Walk the path as the verifier commits
+    it: a proposal at s of length L matching m tokens is accepted up to min(m, cap), where cap is
+    SD's window or L; the verifier adds one token (its correction, or SD's bonus), or, under
+    PipeSpec, after a fully matching run the lookup goes on from s + L itself.
+    """
+    trace: dict[int, bool] = {}
+    s = 0
+    while s < len(theirs):
+        run = list(runs[s])[: window if method == "sd" else None]
+        if not run:
+            s += 1  # a miss: the verifier steps alone
+            continue
+        m = matched(run, theirs, s)
+        trace.update({s + q: True for q in range(m)})
+        if m < len(run):
+            trace[s + m] = False
+            s += m + 1
+        else:
+            s += m if method == "pipespec" else m + 1
+    return trace
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the choice is computed from (cached as JSON)."""
+
+    stages: tuple[str, ...]  # candidate stage names, smallest first
+    kinds: tuple[str, ...]
+    max_proposal: tuple[int, ...]
+    # P -> per stage {points: [(n, s)], prefill_s, context, per_sequence_s}
+    costs: Mapping[Pipeline, Sequence[Mapping]]
+    threads: Mapping[int, int]  # k -> threads per rank
+    agreement: Agreement
+
+    def to_json(self) -> dict:
+        return {
+            "stages": list(self.stages), "kinds": list(self.kinds), "max_proposal": list(self.max_proposal),
+            "costs": [[list(p), pts] for p, pts in self.costs.items()],
+            "threads": {str(k): v for k, v in self.threads.items()},
+            "agreement": self.agreement.to_json(),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, node: dict) -> Measured:
+        return cls(
+            stages=tuple(node["stages"]),
+            kinds=tuple(node["kinds"]),
+            max_proposal=tuple(node["max_proposal"]),
+            costs={tuple(p): pts for p, pts in node["costs"]},
+            threads={int(k): v for k, v in node["threads"].items()},
+            agreement=Agreement.from_json(node["agreement"]),
+        )

@@ -1,0 +1,16 @@
+"""One answer to "what should I run?": one search over one grid of settings, fed by adapters.
+
+options.py  Setting, Option, Grid (AUTO_GRID), Plan: the vocabulary
+search.py   search(source, decode, grid, max_stages, margin): predict every (pipeline,
+            setting), rank, choose; the Source protocol
+sources.py  MeasuredSource (this node's measured costs and agreement, auto/), RateSource
+            (profiles and rates: a plan file, a past run's fit, the paper's setting)
+realize.py  the config (realize) or the Hydra overrides that run an option; select_stages
+table.py    the one table
+job.py      hierarchy=auto in an MPI job: measure on rank 0, choose, run the choice
+cli.py      pipespec-plan (--config, --from, --preset paper, --measure)
+"""
+
+from pipespec_mpi.plan.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,3 @@
+from pipespec_mpi.plan.cli import main
+
+raise SystemExit(main())

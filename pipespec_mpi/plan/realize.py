@@ -1,0 +1,113 @@
+"""What runs an option: the config (``realize``, for ``hierarchy=auto``'s job) or the Hydra
+overrides after ``mpirun -n <stages> python -m pipespec_mpi`` (``overrides``, printed by
+``pipespec-plan``). Both take the option's stages with ``select_stages``, the one place a copy's
+``copy_of`` is re-pointed to its source's index in the smaller pipeline."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipespec_mpi.config import AppConfig, HierarchyConfig, StageConfig
+from pipespec_mpi.plan.options import Option, Plan
+from pipespec_mpi.plan.sources import PlanInputs, hierarchy_presets, stage_defs_of
+
+
+def select_stages(stages: Sequence[StageConfig], names: Sequence[str]) -> list[StageConfig]:
+    """The stages called ``names``, in that order, each copy's ``copy_of`` re-pointed to where its
+    source now is; ValueError when a copy's source is not among them."""
+    by_name = {s.name: i for i, s in enumerate(stages)}
+    index = [by_name[n] for n in names]
+    out = []
+    for i in index:
+        st = stages[i]
+        if st.copy_of is not None:
+            if st.copy_of not in index:
+                ref = stages[st.copy_of].name if st.copy_of < len(stages) else st.copy_of
+                raise ValueError(f"{st.name} copies {ref}, which is not in this pipeline")
+            st = replace(st, copy_of=index.index(st.copy_of))
+        out.append(st)
+    return out
+
+
+def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
+    """The config that runs the plan: its stages (copies re-pointed, threads set unless the
+    launcher binds ranks), its method and window. In ``run.mode=benchmark`` the hierarchy is the
+    best speculative option's, so that every method of the comparison can run on it."""
+    opt = plan.chosen
+    if cfg.run.mode == "benchmark" and plan.best_speculative is not None:
+        opt = plan.best_speculative
+    h = cfg.hierarchy
+    threads = None if bound else plan.threads.get(len(opt.pipeline))
+    stages = [replace(st, threads=st.threads or threads) for st in select_stages(h.stages, opt.pipeline)]
+    hier = HierarchyConfig(
+        name=f"{h.name}[{'+'.join(opt.pipeline)}]", stages=tuple(stages), tokenizer=h.tokenizer,
+        tiny=h.tiny, choose=False,
+    )  # fmt: skip
+    decode = replace(opt.setting, batch_size=1).decode(cfg.decode)
+    method = plan.chosen.method if cfg.run.mode == "single" else cfg.method
+    if cfg.run.mode == "single":
+        decode = replace(decode, batch_size=plan.chosen.batch_size)
+    run = cfg.run
+    if len(stages) == 1:  # the target alone: nothing but AR can run on it
+        run = replace(run, methods=("ar",))
+    return replace(cfg, hierarchy=hier, decode=decode, method=method, run=run)
+
+
+def _hydra_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    return str(v)
+
+
+def _stage_override(st: StageConfig) -> str:
+    """A stage as a Hydra dict: its name, kind and what differs from StageConfig's defaults."""
+    default = StageConfig(st.name, st.kind)
+    fields = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    keep = {k: v for k, v in fields.items() if k in ("name", "kind") or v != getattr(default, k)}
+    return "{" + ", ".join(f"{k}: {_hydra_value(v)}" for k, v in keep.items()) + "}"
+
+
+def matching_hierarchy(stage_names: Sequence[str]) -> str | None:
+    """A conf/hierarchy preset whose stages are exactly these, in this order."""
+    for name in hierarchy_presets():
+        defs = stage_defs_of(name)
+        if defs is not None and list(defs) == list(stage_names):
+            return name
+    return None
+
+
+def overrides(o: Option, inp: PlanInputs) -> str:
+    """Hydra overrides reproducing an option: a hierarchy preset with exactly its stages if
+    there is one, else the configured hierarchy with its stage list replaced. The window is set
+    where each method reads it: ``decode.sd_window`` for SD, ``decode.lookahead`` for PipeSpec."""
+    parts = [f"method={o.method}"]
+    if o.method == "sd":
+        parts.append(f"decode.sd_window={o.window}")
+    elif o.policy == "adaptive":
+        parts.append("decode.policy=adaptive")
+    elif o.method == "pipespec":
+        parts.append(f"decode.lookahead={o.window}")
+    if o.method == "pipespec" and o.run_ahead:
+        parts.append(f"decode.max_run_ahead={o.run_ahead}")
+    defs = inp.stage_defs
+    known = bool(defs) and all(m in defs for m in o.pipeline)
+    if known:
+        preset = matching_hierarchy([defs[m].name for m in o.pipeline])
+        if preset:
+            return " ".join([f"hierarchy={preset}", *parts])
+    if inp.hierarchy in hierarchy_presets():  # not a plan's own, such as auto[prompt-lookup+...]
+        parts.insert(0, f"hierarchy={inp.hierarchy}")
+    if known and list(o.pipeline) != list(defs):
+        # the plan's model names are the stage names of its hierarchy (stage_defs' keys)
+        stages = [replace(s, name=n) for n, s in defs.items()]
+        try:
+            chosen = select_stages(stages, o.pipeline)
+        except ValueError as err:
+            return " ".join(parts) + f"  # {err}"
+        chosen = [replace(st, name=defs[n].name) for st, n in zip(chosen, o.pipeline)]
+        parts.append("'hierarchy.stages=[" + ", ".join(_stage_override(st) for st in chosen) + "]'")
+    return " ".join(parts)
