@@ -35,6 +35,7 @@ from pipespec_mpi.analysis.runs import (
     cross_run_dir,
     find_runs,
 )
+from pipespec_mpi.errors import tool_error
 from pipespec_mpi.records import Record, RecordError
 
 METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
@@ -385,8 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs = find_runs(args.run_dirs)
     except (ReportError, RecordError, OSError) as err:
-        print(f"[report] {err}", file=sys.stderr)
-        return 2
+        return tool_error(ap.prog, err)
     rows = table_rows(runs)
     if args.json:
         print(json.dumps(rows, indent=2))

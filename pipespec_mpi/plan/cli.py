@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
 from pipespec_mpi.config import DecodeConfig, compose_config
-from pipespec_mpi.errors import UserError
+from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.plan.options import Grid
 from pipespec_mpi.plan.realize import overrides
 from pipespec_mpi.plan.search import search
@@ -121,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inp = replace(inp, blocking_reads=a.blocking_reads == "yes")
         plan = plan_from(inp, a)
     except (OSError, ValueError, KeyError) as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, err)
     top = a.top or 3
     if a.json:
         rows = [
@@ -182,8 +180,7 @@ def measure_main(hydra_overrides: Sequence[str], ranks: int, force: bool, top: i
         cal = calibrate(cfg, calibration_prompts(cfg, tok), tok.eos_token_id, node)
         plan = choose(cfg, cal)
     except (UserError, ValueError, OSError) as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, err)
     got = "from the cache: " + ", ".join(cal.cached) if cal.cached else "measured"
     if cal.spot:
         spot = cal.spot.to_json()

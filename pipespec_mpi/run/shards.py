@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig
-from pipespec_mpi.errors import UserError
+from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
 from pipespec_mpi.run.jobs import JobKey, batch_sizes, done_jobs
 
@@ -247,8 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 3
         return 0
     except UserError as err:
-        print(f"pipespec_mpi.run.shards: {err}", file=sys.stderr)
-        return 2
+        return tool_error(ap.prog, err)
 
 
 if __name__ == "__main__":

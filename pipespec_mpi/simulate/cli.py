@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pipespec_mpi.config import POLICIES, DecodeConfig
+from pipespec_mpi.errors import tool_error
 from pipespec_mpi.simulate.fit import load_records, predict_run
 from pipespec_mpi.simulate.paper import (
     PAPER_PIPESPEC_LOOKAHEAD,
@@ -176,8 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **caps,
         )
     except (OSError, ValueError, KeyError) as err:
-        print(f"pipespec_mpi.simulate: {err}", file=sys.stderr)
-        return 2
+        return tool_error(ap.prog, err)
     if a.json:
         out = {
             m: {k: r[k] for k in ("measured_ms_per_token", "predicted_ms_per_token")} for m, r in res.items()
