@@ -86,7 +86,7 @@ class Record:
     wall_s: float  # prefill + decode, from the start barrier
     ms_per_token: float
     ttft_s: float
-    lookahead: int | None  # the window a verifier waits for under this method
+    window: int | None  # proposals a verifier waits for: SD's window or PipeSpec's lookahead
     max_run_ahead: int | None = None
     max_verify: int | None = None
     policy: str = "static"  # decode.policy the stages decided by (speculative/goodput.py)
@@ -105,7 +105,10 @@ class Record:
 
     @classmethod
     def from_json(cls, obj: Any) -> Record:
-        """The record of a decoded JSON line; ``_Malformed`` says what does not fit."""
+        """The record of a decoded JSON line; ``_Malformed`` says what does not fit. Records
+        written before the field was named ``window`` hold it as ``lookahead``."""
+        if isinstance(obj, dict) and "window" not in obj and "lookahead" in obj:
+            obj = {**obj, "window": obj["lookahead"]}
         return _load(cls, obj, "record", {"stages": _stage_list})
 
 

@@ -45,12 +45,12 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _method_label(row: Mapping | None, method: str) -> str:
-    la = row.get("lookahead") if row else None
-    return method if la is None else f"{method}, lookahead {la}"
+    la = row.get("window") if row else None
+    return method if la is None else f"{method}, window {la}"
 
 
 def _row_label(row: Mapping, with_run: bool) -> str:
-    out = row["method"] if row["lookahead"] is None else f"{row['method']}\nlookahead {row['lookahead']}"
+    out = row["method"] if row["window"] is None else f"{row['method']}\nwindow {row['window']}"
     return f"{out}\nrun {row['run']}" if with_run else out
 
 
@@ -147,8 +147,8 @@ def timeline(records: Mapping[str, Record], title: str, path: Path) -> Path | No
         )
         ax.set_ylim(len(stages) - 0.35, -0.55)
         ax.grid(axis="x", alpha=0.3)
-        la = rec.lookahead
-        la_txt = "" if method == "ar" or la is None else f", lookahead {la}"
+        la = rec.window
+        la_txt = "" if method == "ar" or la is None else f", window {la}"
         ax.set_title(
             f"{method}{la_txt}: {rec.n_new_tokens} tokens in {1000 * rec.wall_s:.0f} ms "
             f"({rec.ms_per_token:.1f} ms/token)",
@@ -226,7 +226,7 @@ def speedup_vs_lookahead(
             color = METHOD_COLORS[rows[0]["method"]]
         targets.add(rows[0]["target"])
         for ax, key in ((ax_s, "speedup"), (ax_ms, "ms_per_token")):
-            pts = [(r["lookahead"], r[key]) for r in rows if r[key] is not None]
+            pts = [(r["window"], r[key]) for r in rows if r[key] is not None]
             if not pts:
                 continue
             xs = sorted({x for x, _ in pts})
@@ -249,7 +249,7 @@ def speedup_vs_lookahead(
     ax_s.set_title("Speedup over AR of the same target (higher is better)", fontsize=10)
     ax_ms.set_title("Time per token (lower is better)", fontsize=10)
     for ax in (ax_s, ax_ms):
-        ax.set_xlabel("lookahead (draft tokens a verifier waits for)")
+        ax.set_xlabel("window (draft tokens a verifier waits for: SD's window, PipeSpec's lookahead)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

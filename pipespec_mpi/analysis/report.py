@@ -88,7 +88,7 @@ def ar_reference(
 
 
 def table_rows(runs: Sequence[Run]) -> list[dict]:
-    """One row per (run, method, batch size), sorted by target model, method, models, lookahead
+    """One row per (run, method, batch size), sorted by target model, method, models, window
     and batch size; a batched row's speedup is over AR at the same batch size."""
     rows = []
     for i, run in enumerate(runs):
@@ -121,7 +121,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 "models": [target] if m == "ar" else list(first.models),
                 "stage_models": list(first.models),
                 "target": target,
-                "lookahead": None if m == "ar" else first.lookahead,
+                "window": None if m == "ar" else first.window,
                 "max_new_tokens": first.max_new_tokens,
                 "transport": first.transport,
                 "dataset": (run.config.get("dataset") or {}).get("name"),
@@ -167,7 +167,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             method_key(r["method"]),
             len(r["models"]),
             r["models"],
-            -1 if r["lookahead"] is None else r["lookahead"],
+            -1 if r["window"] is None else r["window"],
             r["batch_size"],
             r["run_index"],
         )
@@ -188,7 +188,7 @@ def _cells(row: dict) -> list[str]:
         row["run"],
         row["method"],
         " > ".join(row["models"]),
-        _fmt(row["lookahead"], "d"),
+        _fmt(row["window"], "d"),
         str(row["batch_size"]),
         str(row["n_prompts"]),
         str(row["n_tokens"]),
@@ -205,7 +205,7 @@ def _cells(row: dict) -> list[str]:
     ]
 
 
-HEADER = ["run", "method", "models", "lookahead", "batch", "prompts", "tokens", "ms/token", "tokens/s",
+HEADER = ["run", "method", "models", "window", "batch", "prompts", "tokens", "ms/token", "tokens/s",
           "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
           "drafter accepted/proposal", "policy", "waits/cut/held"]  # fmt: skip
 RIGHT = {3, 4, 5, 6, 7, 8, 9, 12}
@@ -270,12 +270,12 @@ def lookahead_sweeps(rows: Sequence[dict]) -> dict[str, list[dict]]:
     """Rows of each (method, models) that ran at two or more lookaheads, keyed by a label."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["method"] != "ar" and r["lookahead"] is not None and r["batch_size"] == 1:
+        if r["method"] != "ar" and r["window"] is not None and r["batch_size"] == 1:
             groups.setdefault((r["method"], tuple(r["models"])), []).append(r)
     return {
-        f"{m} ({' > '.join(models)})": sorted(rs, key=lambda r: (r["lookahead"], r["run_index"]))
+        f"{m} ({' > '.join(models)})": sorted(rs, key=lambda r: (r["window"], r["run_index"]))
         for (m, models), rs in groups.items()
-        if len({r["lookahead"] for r in rs}) >= 2
+        if len({r["window"] for r in rs}) >= 2
     }
 
 

@@ -143,7 +143,7 @@ class RecordAssembler:
             wall_s=t_wall,
             ms_per_token=1000 * t_wall / n if n else 0.0,
             ttft_s=commits[0][0] if commits else t_wall,
-            lookahead=cfg.decode.window(job.method),
+            window=cfg.decode.window(job.method),
             max_run_ahead=cfg.decode.max_run_ahead,
             max_verify=cfg.decode.max_verify,
             policy=cfg.decode.policy,

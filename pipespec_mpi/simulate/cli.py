@@ -69,22 +69,22 @@ def fit_rows(run_dirs: Sequence[str | Path], **kw) -> list[dict]:
     for d in run_dirs:
         recs = load_records(d)
         hier = (recs[0].hierarchy or f"{len(recs[0].stages)} stages") if recs else "?"
-        look = sorted({r.lookahead or 0 for r in recs if r.method != "ar"})
+        look = sorted({r.window or 0 for r in recs if r.method != "ar"})
         tokens = max((r.max_new_tokens for r in recs), default=0)
         for m, r in predict_run(d, **kw).items():
-            rows.append({"run": Path(d).name, "hierarchy": hier, "lookahead": look, "max_new_tokens": tokens,
+            rows.append({"run": Path(d).name, "hierarchy": hier, "window": look, "max_new_tokens": tokens,
                          "method": m, **r})  # fmt: skip
     return rows
 
 
 def format_fit_markdown(rows: Sequence[dict]) -> str:
     lines = [
-        "| run | hierarchy | lookahead | tokens/prompt | method | prompts | measured ms/token "
+        "| run | hierarchy | window | tokens/prompt | method | prompts | measured ms/token "
         "| predicted ms/token | error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        look = ",".join(map(str, r["lookahead"])) if r["method"] != "ar" else "-"
+        look = ",".join(map(str, r["window"])) if r["method"] != "ar" else "-"
         lines.append(
             f"| {r['run']} | {r['hierarchy']} | {look} | {r['max_new_tokens']} | {r['method']} | "
             f"{r['n_prompts']} | {r['measured_ms_per_token']:.2f} | {r['predicted_ms_per_token']:.2f} | "

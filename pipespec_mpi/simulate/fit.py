@@ -130,7 +130,7 @@ def simulate_record(
     k = len(fit.profiles)
     traces = tuple(agreement_trace(rec, j + 1) for j in range(k - 1)) if use_traces else ()
     lookup = lookup_trace(rec) if use_traces and k > 1 and fit.profiles[0].kind == "lookup" else None
-    look = (rec.lookahead or 0) if rec.method != "ar" else 0
+    look = (rec.window or 0) if rec.method != "ar" else 0
     if rec.method == "sd":
         look = max(1, look)  # the record's lookahead is SD's window
     decode = DecodeConfig(

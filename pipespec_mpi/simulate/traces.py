@@ -324,7 +324,7 @@ def latency_samples(rec: Record, pair: int, offset_s: float = 0.0) -> tuple[list
     """
     down: list[float] = []
     up: list[float] = []
-    look = rec.lookahead or 0
+    look = rec.window or 0
     method = rec.method
     p = len(rec.prompt_ids)
     ups = _committed_series(rec, pair)

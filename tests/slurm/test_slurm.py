@@ -464,7 +464,7 @@ def test_submitit_sweep_runs_each_job_as_one_mpi_world(jobs):
     assert rc == 0, context
     for num, lookahead in ((0, 0), (1, 2)):
         results = check_run_dir(sweep.dir / str(num), n_results=2, n_ranks=3, context=context)
-        assert {r["lookahead"] for r in results} == {lookahead}, results
+        assert {r["window"] for r in results} == {lookahead}, results
     # Three Slurm tasks per sweep job (one per rank), all from one job array.
     task_logs = sorted(p.name for p in (sweep.dir / ".submitit").glob("*_*/*_log.out"))
     assert len(task_logs) == 6, task_logs

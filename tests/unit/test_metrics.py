@@ -73,7 +73,7 @@ def _rec(method, pid, n, wall, trace=()):
 
     return Record(prompt_id=pid, replica=0, method=method, warmup=False, seq=0, prompt_ids=[1],
                   output_ids=[2] * n, text="", n_new_tokens=n, finish_reason="length", wall_s=wall,
-                  ms_per_token=1000 * wall / n, ttft_s=0.01, lookahead=1, max_new_tokens=n,
+                  ms_per_token=1000 * wall / n, ttft_s=0.01, window=1, max_new_tokens=n,
                   transport="mpi", hierarchy="h", models=["m", "m"],
                   stages=[stage(0, []), stage(1, trace)])  # fmt: skip
 

@@ -46,14 +46,14 @@ def make_record(method: str = "pipespec", prompt: str = "p0", wall: float = 0.5,
         coupling="gumbel", bytes_sent=[40, 0], seq=7, prompt_ids=[256, 1, 2, 3, 4],
         output_ids=[5, 6, 7, 8][:n], text="abcd"[:n], n_new_tokens=n, finish_reason="length",
         wall_s=wall, ms_per_token=1000 * wall / n,
-        ttft_s=0.1, lookahead=2, max_run_ahead=8, max_verify=16, max_new_tokens=n, transport="mpi",
+        ttft_s=0.1, window=2, max_run_ahead=8, max_verify=16, max_new_tokens=n, transport="mpi",
         hierarchy="tiny2", models=["m0", "m1"], stages=stages,
     )  # fmt: skip
     return Record(**{**base, **kw})
 
 
 def test_a_record_round_trips_through_a_file(tmp_path: Path) -> None:
-    recs = [make_record(), make_record("ar", "p1", warmup=True, lookahead=None, hierarchy=None)]
+    recs = [make_record(), make_record("ar", "p1", warmup=True, window=None, hierarchy=None)]
     path = tmp_path / "results.jsonl"
     write_records(path, recs)
     back = read_records(path)
@@ -133,7 +133,9 @@ def test_old_records_without_the_newer_fields_still_load(tmp_path: Path) -> None
         for st in new["stages"]
     ]  # fmt: skip
     old["a_future_field"] = {"x": 1}
+    old["lookahead"] = old.pop("window")  # the window's name before it was "window"
     (rec,) = read_records(_lines(tmp_path / "results.jsonl", [old]))
+    assert rec.window == new["window"] and "lookahead" not in rec.to_json()
     assert rec.sample_idx == 0 and rec.temperature == 0.0 and rec.bytes_sent == []
     assert rec.max_run_ahead is None and rec.max_verify is None
     st = rec.stages[1]

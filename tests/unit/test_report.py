@@ -46,7 +46,7 @@ def rec(method: str, prompt: str, wall: float, tokens: int, traces=None, *, look
         "prompt_id": prompt, "replica": 0, "method": method, "warmup": warmup, "seq": 0,
         "prompt_ids": [1, 2], "output_ids": [3] * tokens, "text": "", "n_new_tokens": tokens,
         "finish_reason": "length", "wall_s": wall, "ms_per_token": 1000 * wall / tokens,
-        "ttft_s": wall / 2, "lookahead": lookahead, "max_new_tokens": max_new, "transport": "mpi",
+        "ttft_s": wall / 2, "window": lookahead, "max_new_tokens": max_new, "transport": "mpi",
         "hierarchy": "h", "models": list(models),
         "stages": [_stage(s, models[s], traces[s], wall, s == n - 1, tokens) for s in range(n)],
     }  # fmt: skip
@@ -102,7 +102,7 @@ def test_table_known_answers(sweep: Path) -> None:
     assert [r.label for r in runs] == ["12-00-00/0", "12-00-00/1"]
     assert runs[1].overrides == ["method=pipespec", "decode.lookahead=4"]
     rows = report.table_rows(runs)
-    assert [(r["method"], r["lookahead"]) for r in rows] == [("ar", None), ("pipespec", 2),
+    assert [(r["method"], r["window"]) for r in rows] == [("ar", None), ("pipespec", 2),
                                                              ("pipespec", 4)]  # fmt: skip
     t = by_key(rows)
     ar, ps, ps4 = t["12-00-00/0", "ar"], t["12-00-00/0", "pipespec"], t["12-00-00/1", "pipespec"]
@@ -122,7 +122,7 @@ def test_table_known_answers(sweep: Path) -> None:
 
     text = report.format_table(rows)
     lines = text.splitlines()
-    assert lines[0].split()[:4] == ["run", "method", "models", "lookahead"]
+    assert lines[0].split()[:4] == ["run", "method", "models", "window"]
     assert "d-1L > m-3L > t-4L" in text
     assert "4.00*" in text and "2.00" in text and "0->1 1.00, 1->2 2.00" in text
     md = report.format_markdown(rows)
@@ -166,7 +166,7 @@ def test_sweep_detection_and_cross_dir(sweep: Path, tmp_path: Path) -> None:
     rows = report.table_rows(runs)
     sweeps = report.lookahead_sweeps(rows)
     assert list(sweeps) == ["pipespec (d-1L > m-3L > t-4L)"]
-    assert [r["lookahead"] for r in sweeps["pipespec (d-1L > m-3L > t-4L)"]] == [2, 4]
+    assert [r["window"] for r in sweeps["pipespec (d-1L > m-3L > t-4L)"]] == [2, 4]
     assert report.lookahead_sweeps(rows[:2]) == {}
     assert report.ar_ms_per_token(runs) == {"t-4L": pytest.approx(100.0)}
     assert report.cross_run_dir(runs) == sweep.resolve()
@@ -201,7 +201,7 @@ def test_main_writes_table_json_and_pngs(sweep: Path, capsys) -> None:
 
     assert report.main(["--json", "--no-plots", str(sweep / "1")]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == 1 and rows[0]["speedup"] is None and rows[0]["lookahead"] == 4
+    assert len(rows) == 1 and rows[0]["speedup"] is None and rows[0]["window"] == 4
 
 
 def test_batched_rows_compare_with_ar_at_their_batch_size_and_plot_against_it(tmp_path: Path) -> None:
@@ -291,7 +291,7 @@ def test_report_on_a_real_multirun_sweep(tmp_path: Path, capsys) -> None:
              "decode.max_new_tokens=16", f"hydra.sweep.dir={multi}"], timeout=200)  # fmt: skip
     assert report.main(["--json", str(multi)]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert sorted((r["method"], r["lookahead"]) for r in rows) == [
+    assert sorted((r["method"], r["window"]) for r in rows) == [
         ("ar", None), ("ar", None), ("pipespec", 1), ("pipespec", 2)
     ]  # fmt: skip
     ps = [r for r in rows if r["method"] == "pipespec"]

@@ -193,7 +193,7 @@ def make_record(pid, position, *, request="prompt", sample=0, method="pipespec",
     stages = [StageStats(0, 0, "d"), StageStats(1, 1, "t", verifications=2, tokens_accepted=3)]
     return Record(prompt_id=pid, replica=0, method=method, warmup=False, sample_idx=sample, seq=1,
                   prompt_ids=[1, 2, 3], output_ids=[5, 6], text=text, n_new_tokens=2, finish_reason="eos",
-                  wall_s=0.1, ms_per_token=50.0, ttft_s=0.05, lookahead=0, max_new_tokens=8, transport="mpi",
+                  wall_s=0.1, ms_per_token=50.0, ttft_s=0.05, window=0, max_new_tokens=8, transport="mpi",
                   hierarchy="tiny", models=["d", "t"], stages=stages, position=position, request=request,
                   end_time=1.7e9)  # fmt: skip
 

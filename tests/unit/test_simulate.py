@@ -212,7 +212,7 @@ def _as_run(tmp: Path, results: list[SimResult], prompt_len: int, look: int, clo
             prompt_id=f"p{i}", replica=0, method=r.method, warmup=False, seq=i + 1,
             prompt_ids=[1] * prompt_len, output_ids=list(r.tokens), text="", n_new_tokens=r.n_tokens,
             finish_reason="length", wall_s=r.wall_s, ms_per_token=r.ms_per_token, ttft_s=0.0,
-            lookahead=look, max_run_ahead=DecodeConfig.max_run_ahead, max_verify=DecodeConfig.max_verify,
+            window=look, max_run_ahead=DecodeConfig.max_run_ahead, max_verify=DecodeConfig.max_verify,
             max_new_tokens=r.n_tokens, transport="sim", hierarchy="sim",
             models=[s.model for s in r.stages], stages=stages,
         ))  # fmt: skip
@@ -237,7 +237,7 @@ def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True) -> Pat
 def _fix_lookahead(run: Path) -> None:
     lines = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
     for r in lines:
-        r["lookahead"] = {"ar": 0, "sd": 3, "pipespec": 2}[r["method"]]
+        r["window"] = {"ar": 0, "sd": 3, "pipespec": 2}[r["method"]]
     (run / "results.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
 
 
@@ -275,7 +275,7 @@ def test_lookup_trace_from_a_record():
     rec = Record(
         prompt_id="p", replica=0, method="pipespec", warmup=False, seq=1, prompt_ids=[1] * 10,
         output_ids=[], text="", n_new_tokens=7, finish_reason="length", wall_s=0.3, ms_per_token=0.0,
-        ttft_s=0.0, lookahead=0, max_new_tokens=7, transport="mpi", hierarchy="h", models=["a", "b"],
+        ttft_s=0.0, window=0, max_new_tokens=7, transport="mpi", hierarchy="h", models=["a", "b"],
         stages=[StageStats(stage=s, rank=s, model="m", timeline=t) for s, t in enumerate(timelines)],
     )  # fmt: skip
     assert lookup_trace(rec) == {0: 4, 5: 1, 6: 0}
@@ -301,7 +301,7 @@ def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys
     assert main(["--fit", str(run), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
-    assert all(r["hierarchy"] == "sim" and r["lookahead"] == [2, 3] for r in rows)
+    assert all(r["hierarchy"] == "sim" and r["window"] == [2, 3] for r in rows)
     inputs = inputs_from_run(run)  # from the PipeSpec records
     assert (
         inputs.target == "target" and inputs.hierarchy == "sim" and set(inputs.models) == {"draft", "target"}
