@@ -27,7 +27,7 @@ from pathlib import Path
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
-from pipespec_mpi.run.jobs import JobKey, batch_sizes, done_jobs
+from pipespec_mpi.run.jobs import JobKey, Prompt, done_jobs, plan_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 ARRAY_SCRIPT = ROOT / "slurm" / "pipespec_array.sbatch"
@@ -90,14 +90,14 @@ def run_config(run_dir: Path) -> AppConfig:
 
 
 def expected_jobs(cfg: AppConfig, bad_positions: set[int] = frozenset()) -> set[JobKey]:
-    """What a run of ``cfg`` decodes: its shard of the rows (those not at ``bad_positions``,
-    errors.jsonl's, nor unreadable), each method, sample and batch size."""
+    """What a run of ``cfg`` decodes: the measured jobs the runner plans (run/jobs.py
+    ``plan_jobs``, the one enumeration) for its shard of the rows (those not at
+    ``bad_positions``, errors.jsonl's, nor unreadable); no tokenizer needed, only the rows' ids."""
     from pipespec_mpi.data.datasets import Request, job_rows
 
-    ids = (p.id for p in job_rows(cfg.dataset) if isinstance(p, Request) and p.position not in bad_positions)
-    methods = cfg.run.methods if cfg.run.mode == "benchmark" else (cfg.method,)
-    n = cfg.sampling.num_samples
-    return {(i, m, k, b) for i in ids for m in methods for k in range(n) for b in batch_sizes(cfg)}
+    rows = (p for p in job_rows(cfg.dataset) if isinstance(p, Request) and p.position not in bad_positions)
+    prompts = [Prompt(p.id, [], p.position) for p in rows]
+    return {job.key for job in plan_jobs(cfg, prompts, done=set(), warmups=False)}
 
 
 def _activity(run_dir: Path, want: set[JobKey]) -> tuple[int, float]:
