@@ -124,7 +124,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 "window": None if m == "ar" else first.window,
                 "max_new_tokens": first.max_new_tokens,
                 "transport": first.transport,
-                "dataset": (run.config.get("dataset") or {}).get("name"),
+                "dataset": run.config.dataset.name if run.config else None,
                 "overrides": run.overrides,
                 "n_prompts": s.n_prompts,
                 "n_tokens": s.n_tokens,
@@ -150,7 +150,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                     {} if m == "ar" else {i: st.proposals_per_forward for i, st in enumerate(s.stages) if i}
                 ),
                 "tokens_per_target_forward": s.stages[-1].tokens_per_forward,
-                "policy": "-" if m == "ar" else (run.config.get("decode") or {}).get("policy", "static"),
+                "policy": "-" if m == "ar" else first.policy,
                 "policy_actions": {
                     i: {"waits": st.waits_chosen, "cut": st.verify_cut, "held": st.drafts_held}
                     for i, st in enumerate(s.stages)

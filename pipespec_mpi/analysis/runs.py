@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipespec_mpi.config import AppConfig, ConfigError, load_run_config
 from pipespec_mpi.records import RESULTS, Record, read_records
 
 
@@ -23,7 +24,7 @@ class Run:
 
     path: Path
     records: list[Record]
-    config: dict = field(default_factory=dict)
+    config: AppConfig | None = None  # None: the run has none that loads
     overrides: list[str] = field(default_factory=list)
     multirun: Path | None = None  # the multirun dir this run was found in
     label: str = ""
@@ -51,12 +52,15 @@ def _yaml(path: Path) -> Any:
 
 def load_run(path: Path, multirun: Path | None = None) -> Run:
     path = Path(path)
-    config = _yaml(path / ".hydra" / "config.yaml")
+    try:
+        config = load_run_config(path)
+    except (OSError, ConfigError):  # no config, or one only an older version reads: still a run
+        config = None
     overrides = _yaml(path / ".hydra" / "overrides.yaml")
     return Run(
         path=path,
         records=read_records(path / RESULTS),
-        config=config if isinstance(config, dict) else {},
+        config=config,
         overrides=[str(o) for o in overrides] if isinstance(overrides, list) else [],
         multirun=multirun,
     )

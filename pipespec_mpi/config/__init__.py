@@ -22,6 +22,7 @@ names every offending value, so a typo never reaches a rank's model loader.
 from pipespec_mpi.config.load import (
     compose_config,
     load_config,
+    load_run_config,
     register,
     unknown_keys,
     validate,
@@ -83,6 +84,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "compose_config",
     "load_config",
+    "load_run_config",
     "register",
     "unknown_keys",
     "validate",

@@ -81,6 +81,23 @@ def load_config(cfg) -> AppConfig:
     return app
 
 
+RUN_CONFIG = Path(".hydra") / "config.yaml"  # in a run directory, written by rank 0
+
+
+def load_run_config(run_dir: str | Path) -> AppConfig:
+    """The typed config a run directory was made with (its ``.hydra/config.yaml`` on the schema,
+    validated): the one reader of it. FileNotFoundError where the run has none; ConfigError where
+    it no longer loads (a key only an older version had)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / RUN_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: missing (not a pipespec_mpi run directory, or its rank 0 never started)"
+        )
+    return load_config(OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(path)))
+
+
 def compose_config(overrides: Sequence[str] = ()) -> AppConfig:
     """What ``python -m pipespec_mpi OVERRIDES`` runs with (Hydra's compose API, conf/)."""
     from hydra import compose, initialize_config_dir

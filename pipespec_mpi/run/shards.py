@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipespec_mpi.config import AppConfig
+from pipespec_mpi.config import AppConfig, load_run_config
 from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
 from pipespec_mpi.run.jobs import JobKey, Prompt, done_jobs, plan_jobs
@@ -79,14 +79,10 @@ def shard_dirs(array_dir: Path) -> dict[int, Path]:
 
 def run_config(run_dir: Path) -> AppConfig:
     """The typed config a run directory was made with (its ``.hydra/config.yaml``)."""
-    from omegaconf import OmegaConf
-
-    from pipespec_mpi.config import load_config
-
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not path.exists():
-        raise ShardError(f"{path}: missing (not a pipespec_mpi run directory, or its rank 0 never started)")
-    return load_config(OmegaConf.merge(OmegaConf.structured(AppConfig), OmegaConf.load(path)))
+    try:
+        return load_run_config(run_dir)
+    except FileNotFoundError as err:
+        raise ShardError(str(err)) from None
 
 
 def expected_jobs(cfg: AppConfig, bad_positions: set[int] = frozenset()) -> set[JobKey]:

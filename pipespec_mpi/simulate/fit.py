@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.analysis.analytical import alpha_from_trace
-from pipespec_mpi.config import METHODS, DecodeConfig
+from pipespec_mpi.config import METHODS, ConfigError, DecodeConfig, load_run_config
 from pipespec_mpi.records import Record
 from pipespec_mpi.simulate.engine import SimResult, simulate
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
@@ -157,19 +157,13 @@ def simulate_record(
 
 
 def run_decode_config(run_dir: str | Path) -> dict:
-    """The run's ``decode`` settings from its .hydra/config.yaml, if Hydra wrote one."""
-    path = Path(run_dir) / ".hydra" / "config.yaml"
-    if not path.exists():
-        return {}
-    from omegaconf import DictConfig, OmegaConf
-
+    """The run's bounds (decode.max_run_ahead, decode.max_verify) from its config, if it has one
+    that still loads (else the caller's defaults)."""
     try:
-        node = OmegaConf.load(path)
-        dec = node.get("decode") if isinstance(node, DictConfig) else None
-        dec = OmegaConf.to_container(dec) if isinstance(dec, DictConfig) else {}
-    except Exception:  # noqa: BLE001 - a run without a readable config keeps the defaults
+        d = load_run_config(run_dir).decode
+    except (OSError, ConfigError):
         return {}
-    return {k: dec[k] for k in ("max_run_ahead", "max_verify") if isinstance(dec.get(k), int)}
+    return {"max_run_ahead": d.max_run_ahead, "max_verify": d.max_verify}
 
 
 def predict_run(
