@@ -92,19 +92,19 @@ def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
 def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     """``hierarchy=auto``: plan (plan/job.py), run the plan on the ranks it uses; every rank
     leaves together, with the job's exit code."""
-    from pipespec_mpi.plan import job as auto_job
+    from pipespec_mpi.plan import job as plan_job
 
-    job = auto_job.resolve(cfg, world)
+    job = plan_job.resolve(cfg, world)
     if world.rank == 0:
-        auto_job.write_plan(run_dir, job.record)
+        plan_job.write_plan(run_dir, job.record)
     code = 0
     if job.world is not None:
         check_world(job.world.size, job.cfg.hierarchy.n_stages)
         code = run(job.cfg, run_dir, job.world, logger)
         if job.world.rank == 0:
-            auto_job.add_measured(run_dir, job.record, cfg.auto.off_factor)
+            plan_job.add_measured(run_dir, job.record, cfg.auto.off_factor)
         job.world.comm.Free()
-    auto_job.sleep_at_barrier(world.comm)  # with the spare ranks
+    plan_job.sleep_at_barrier(world.comm)  # with the spare ranks
     from mpi4py import MPI
 
     return world.comm.allreduce(code, op=MPI.MAX)
