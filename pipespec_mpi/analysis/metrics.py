@@ -97,6 +97,12 @@ def group_key(method: str, batch_size: int) -> str:
     return method if batch_size == 1 else f"{method}@b{batch_size}"
 
 
+def parse_group_key(key: str) -> tuple[str, int]:
+    """(method, batch size) of a ``group_key``: built and read only here."""
+    method, _, b = key.partition("@b")
+    return method, int(b or 1)
+
+
 def decoding_wall_s(rs: Iterable[Record]) -> float:
     """The time ``rs`` took to decode. At batch 1 a replica decodes one sequence at a time: the
     records' walls summed. Batched, a replica's sequences overlap: from its first start to its

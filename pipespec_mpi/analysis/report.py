@@ -47,8 +47,8 @@ METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
 
 def method_key(m: str) -> tuple:
     """Order of summary keys: by method (AR, SD, PipeSpec), then batch size (``pipespec@b4``)."""
-    method, _, b = m.partition("@b")
-    return (METHOD_ORDER.get(method, len(METHOD_ORDER)), method, int(b or 1))
+    method, b = metrics.parse_group_key(m)
+    return (METHOD_ORDER.get(method, len(METHOD_ORDER)), method, b)
 
 
 def target_of(records: Sequence[Record]) -> str:

@@ -278,3 +278,12 @@ def test_summarize_keeps_no_record():
     methods = ["ar", "pipespec"]
     assert _json(benchmark_table(read(), methods)) == _json(benchmark_table(from_list, methods))
     assert not live
+
+
+def test_group_keys_round_trip():
+    from pipespec_mpi.analysis.metrics import group_key, parse_group_key
+
+    assert group_key("pipespec", 1) == "pipespec" and group_key("sd", 4) == "sd@b4"
+    for method in ("ar", "sd", "pipespec"):
+        for b in (1, 2, 16):
+            assert parse_group_key(group_key(method, b)) == (method, b)
