@@ -29,7 +29,7 @@ from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
 from pipespec_mpi.run.jobs import JobKey, Prompt, done_jobs, plan_jobs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: slurm/ beside pipespec_mpi/
 ARRAY_SCRIPT = ROOT / "slurm" / "pipespec_array.sbatch"
 SHARD_DIR = re.compile(r"shard-(\d+)$")
 # the overrides the array script adds itself (and resubmit sets again)

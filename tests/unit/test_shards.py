@@ -40,3 +40,9 @@ def test_a_shards_bad_rows_are_not_expected_of_it(tmp_path):
     assert {k[0] for k in expected_jobs(cfg, bad_positions={2})} == {"0", "4"}  # errors.jsonl's
     shard1 = expected_jobs(replace(cfg, dataset=replace(cfg.dataset, shard_index=1)))
     assert {k[0] for k in shard1} == {"1", "3"}
+
+
+def test_the_array_script_a_resubmission_runs_exists():
+    from pipespec_mpi.run.shards import ARRAY_SCRIPT
+
+    assert ARRAY_SCRIPT.is_file(), ARRAY_SCRIPT
