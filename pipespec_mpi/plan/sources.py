@@ -300,7 +300,6 @@ class RateSource:
     seeds: tuple[int, ...] = (0, 1, 2)
     transitive: bool = False
     threads: Mapping[int, int] = field(default_factory=dict)
-    _rates: dict[tuple[str, ...], tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def target(self) -> str:
@@ -308,7 +307,6 @@ class RateSource:
 
     def pipelines(self, max_stages: int) -> list[tuple[str, ...]]:
         found = hierarchies(self.inputs, max_stages, self.transitive)
-        self._rates.update(found)
         return [models for models, _ in found if len(models) >= 2]
 
     def ms(self, pipeline: tuple[str, ...], setting: Setting, decode: DecodeConfig) -> float:
@@ -325,4 +323,5 @@ class RateSource:
         )  # fmt: skip
         profs = [inp.models[m] for m in pipeline]
         seeds = self.seeds[:1] if setting.method == "ar" else self.seeds
-        return sim.mean_ms_per_token(profs, self._rates.get(pipeline, ()), cfg, seeds)
+        rates = tuple(pair_rate(inp.rates, a, b, self.transitive) for a, b in zip(pipeline, pipeline[1:]))
+        return sim.mean_ms_per_token(profs, rates, cfg, seeds)
