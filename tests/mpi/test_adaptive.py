@@ -28,10 +28,15 @@ def test_adaptive_greedy_equals_ar_at_every_batch_size(tmp_path, hier):
     summary = json.loads((tmp_path / "summary.json").read_text())
     for stage in summary["pipespec"]["stages"]:
         assert {"waits_chosen", "verify_cut", "drafts_held"} <= set(stage)
-    # verification happened under the policy, at batch 1 and batched
+    # Whether a verifier verifies or steps on its own follows the measured timings (unit tests
+    # of speculative/goodput.py pin those decisions with fixed costs); whatever it chose, every
+    # forward of a verifier is one of its own steps or a verification, at batch 1 and batched.
     for b in (1, 4):
-        ps = [r for r in recs if r["method"] == "pipespec" and r["batch_size"] == b]
-        assert sum(r["stages"][-1]["verifications"] for r in ps) > 0
+        for r in recs:
+            if r["method"] == "pipespec" and r["batch_size"] == b:
+                for st in r["stages"][1:]:
+                    steps = st["draft_steps"] + st["own_steps"] + st["verifications"]
+                    assert st["forward_calls"] == steps, st
 
 
 # batch 1 in the long tier: CI's sampling cases (tests/mpi/test_sampling.py) run under the adaptive
