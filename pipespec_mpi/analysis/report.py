@@ -28,13 +28,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from pipespec_mpi.analysis import metrics
+from pipespec_mpi.analysis import metrics, table
 from pipespec_mpi.analysis.runs import (
     ReportError,
     Run,
     cross_run_dir,
     find_runs,
 )
+from pipespec_mpi.analysis.table import Column, cell
 from pipespec_mpi.errors import tool_error
 from pipespec_mpi.records import Record, RecordError
 
@@ -175,27 +176,23 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
     return rows
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _cells(row: dict) -> list[str]:
     acc = row["mean_accepted_per_verification"]
-    speed = _fmt(row["speedup"], ".2f")
+    speed = cell(row["speedup"], ".2f")
     if row["speedup"] is not None and row["speedup_ref"] != "same run":
         speed += "*"
     return [
         row["run"],
         row["method"],
         " > ".join(row["models"]),
-        _fmt(row["window"], "d"),
+        cell(row["window"], "d"),
         str(row["batch_size"]),
         str(row["n_prompts"]),
         str(row["n_tokens"]),
         f"{row['ms_per_token']:.2f}",
         f"{row['tokens_per_s']:.1f}",
         speed,
-        ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in acc.items()) if row["method"] != "ar" else "-",
+        ", ".join(f"{k} {cell(v, '.2f')}" for k, v in acc.items()) if row["method"] != "ar" else "-",
         ", ".join(f"{k} {v:.2f}" for k, v in row["proposals_per_forward"].items()) or "-",
         f"{row['tokens_per_target_forward']:.2f}",
         ", ".join(f"{k} {v['mean_accepted']:.2f}" for k, v in row["drafter"].items()) or "-",
@@ -205,10 +202,40 @@ def _cells(row: dict) -> list[str]:
     ]
 
 
-HEADER = ["run", "method", "models", "window", "batch", "prompts", "tokens", "ms/token", "tokens/s",
-          "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
-          "drafter accepted/proposal", "policy", "waits/cut/held"]  # fmt: skip
-RIGHT = {3, 4, 5, 6, 7, 8, 9, 12}
+COLUMNS = [
+    Column(
+        t,
+        right=t
+        in {
+            "window",
+            "batch",
+            "prompts",
+            "tokens",
+            "ms/token",
+            "tokens/s",
+            "speedup",
+            "tokens/target forward",
+        },
+    )  # fmt: skip
+    for t in (
+        "run",
+        "method",
+        "models",
+        "window",
+        "batch",
+        "prompts",
+        "tokens",
+        "ms/token",
+        "tokens/s",
+        "speedup",
+        "accepted/verification",
+        "proposals/forward",
+        "tokens/target forward",
+        "drafter accepted/proposal",
+        "policy",
+        "waits/cut/held",
+    )  # fmt: skip
+]
 
 
 def _footnotes(rows: Sequence[dict]) -> list[str]:
@@ -231,27 +258,8 @@ def _footnotes(rows: Sequence[dict]) -> list[str]:
     return notes
 
 
-def format_table(rows: Sequence[dict]) -> str:
-    cells = [HEADER] + [_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
-    lines = []
-    for n, c in enumerate(cells):
-        lines.append(
-            "  ".join(
-                (v.rjust(w) if i in RIGHT else v.ljust(w))
-                for i, (v, w) in enumerate(zip(c, widths, strict=True))
-            ).rstrip()
-        )
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines + ["", *_footnotes(rows)])
-
-
-def format_markdown(rows: Sequence[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |"]
-    lines.append("|" + "|".join("---:" if i in RIGHT else "---" for i in range(len(HEADER))) + "|")
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows]
-    return "\n".join(lines + [""] + [f"{n}  " for n in _footnotes(rows)])
+def format_table(rows: Sequence[dict], md: bool = False) -> str:
+    return table.render(COLUMNS, [_cells(r) for r in rows], _footnotes(rows), md=md)
 
 
 def format_runs(runs: Sequence[Run]) -> str:
@@ -391,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     elif args.markdown:
-        print(format_markdown(rows))
+        print(format_table(rows, md=True))
     else:
         print(format_table(rows))
         print()

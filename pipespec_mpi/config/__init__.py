@@ -16,11 +16,13 @@ for the stage loop, ...). ``load_config`` turns the composed tree into these dat
 names every offending value, so a typo never reaches a rank's model loader.
 
   schema.py  the dataclasses (AppConfig and its nodes) and the allowed values
-  load.py    register, load_config, compose_config, validate, validate_decode
+  load.py    register, load_config, compose_config, compose_tool_config (a tool's settings as
+             the app's keys), validate, validate_decode
 """
 
 from pipespec_mpi.config.load import (
     compose_config,
+    compose_tool_config,
     load_config,
     load_run_config,
     register,
@@ -83,6 +85,7 @@ __all__ = [
     "TransportConfig",
     "WEIGHT_FORMATS",
     "compose_config",
+    "compose_tool_config",
     "load_config",
     "load_run_config",
     "register",

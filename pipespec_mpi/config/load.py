@@ -107,6 +107,31 @@ def compose_config(overrides: Sequence[str] = ()) -> AppConfig:
         return load_config(compose(config_name="config", overrides=list(overrides)))
 
 
+def override_key(override: str) -> str:
+    """The dotted key a Hydra override sets (``decode.lookahead=2`` -> ``decode.lookahead``;
+    ``+x=1``, ``~x`` and ``++x=1`` name ``x``)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compose_tool_config(overrides: Sequence[str], keys: Sequence[str]) -> tuple[AppConfig, set[str]]:
+    """A tool's settings, spelled as the app's keys: ``compose_config(overrides)`` (so a value is
+    checked as a job would check it) and the keys the overrides set. Each override must be one of
+    ``keys`` or under one (``decode`` allows every ``decode.*``); one ConfigError names every
+    other, since a tool that ignored a key would print a prediction for something else."""
+    given = {override_key(o) for o in overrides}
+    bad = sorted(k for k in given if not any(k == a or k.startswith(a + ".") for a in keys))
+    if bad:
+        raise ConfigError([f"{k}: not a setting of this tool (it reads {', '.join(keys)})" for k in bad])
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose_config(overrides), given
+    except (HydraException, OmegaConfBaseException) as err:  # an unknown key, a value of the wrong type
+        cause = err.__cause__ or err
+        raise ConfigError([str(cause).splitlines()[0] + f" ({' '.join(overrides)})"]) from err
+
+
 def validate(cfg: AppConfig) -> list[str]:
     """Every problem with a typed config, as messages naming the key and value."""
     p: list[str] = []

@@ -8,7 +8,7 @@ sources.py  MeasuredSource (this node's measured costs and agreement, auto/), Ra
 realize.py  the config (realize) or the Hydra overrides that run an option; select_stages
 table.py    the one table
 job.py      hierarchy=auto in an MPI job: measure on rank 0, choose, run the choice
-cli.py      pipespec-plan (--config, --from, --preset paper, --measure)
+cli.py      pipespec-plan (--config, RUN_DIR, --preset paper, --measure)
 """
 
 from pipespec_mpi.plan.cli import main

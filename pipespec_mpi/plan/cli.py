@@ -2,9 +2,13 @@
 
   pipespec-plan                      # the paper's models (simulate/paper.py)
   pipespec-plan --config plan.yaml   # your latency profiles and acceptance rates
-  pipespec-plan --from RUN_DIR       # profiles and rates measured in a run
-  pipespec-plan --measure [--force] [--ranks 3] [OVERRIDES]
-                                                   # measure here, as hierarchy=auto does
+  pipespec-plan RUN_DIR              # profiles and rates measured in a run
+  pipespec-plan --measure [--ranks 3] [OVERRIDES]  # measure here, as hierarchy=auto does
+                                                   # (auto.force=true: ignore the cache)
+
+Settings are the app's keys (``decode.max_new_tokens=64 decode.max_run_ahead=16``,
+``run.epochs_window=rma``, ``auto.max_stages=2``), checked as a job checks them; the search grid
+(``--lookaheads``, ``--sd-windows``, ``--run-aheads``) is the planner's own.
 
 It searches hierarchies (every ordered choice of distinct drafters in front of the target: subsets
 and orderings of the available models) with every setting of the grid (SD windows, PipeSpec
@@ -41,7 +45,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipespec_mpi.config import DecodeConfig, compose_config
+from pipespec_mpi.config import AppConfig, DecodeConfig, compose_config, compose_tool_config
 from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.plan.options import Grid
 from pipespec_mpi.plan.realize import overrides
@@ -56,69 +60,65 @@ def _ints(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(",") if x.strip()) if text else None
 
 
+SETTINGS = ("decode", "run.epochs_window", "auto.max_stages")  # the app's keys it reads (no --measure)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    ap.add_argument("args", nargs="*", metavar="RUN_DIR | KEY=VALUE",
+                    help="a run directory (plan from what it measured), and settings as the app's keys: "
+                         "decode.max_new_tokens, decode.max_run_ahead, decode.max_verify, "
+                         "run.epochs_window=rma (header reads wait), auto.max_stages; with --measure, "
+                         "any of the job's overrides")  # fmt: skip
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--config", help="a plan config (YAML or JSON)")
-    src.add_argument("--from", dest="run_dir", help="a run directory: use its measured profiles")
     src.add_argument("--preset", choices=["paper"], help="the paper's models (the default)")
     src.add_argument(
         "--measure",
         action="store_true",
         help="measure the candidate stages on this machine and choose, as hierarchy=auto does "
-        "(Hydra overrides after the options; default hierarchy=auto)",
+        "(default hierarchy=auto)",
     )
-    ap.add_argument("--force", action="store_true", help="with --measure: ignore the cache")
     ap.add_argument("--ranks", type=int, default=3, help="with --measure: the job's world size")
-    ap.add_argument("overrides", nargs="*", help="with --measure: Hydra overrides")
-    ap.add_argument("--max-stages", type=int, default=3)
     ap.add_argument("--lookaheads", default=None, help="PipeSpec lookaheads to try (default 0,1,2,4,8)")
     ap.add_argument("--sd-windows", default=None, help="SD windows to try (default 1,2,3,4,6,8)")
     ap.add_argument(
         "--run-aheads", default=None, help="PipeSpec run-ahead bounds to try (default: the bound)"
     )
-    ap.add_argument("--tokens", type=int, default=None,
-                    help="tokens per simulated prompt (default 128; the paper: its traces')")  # fmt: skip
     ap.add_argument(
         "--seeds", type=int, default=None, help="simulations per candidate (default 3; the paper: 8)"
     )
-    ap.add_argument("--max-run-ahead", type=int, default=None,
-                    help="default: decode.max_run_ahead's; the paper: 64 (uncapped)")  # fmt: skip
-    ap.add_argument("--max-verify", type=int, default=None,
-                    help="default: decode.max_verify's; the paper: 64")  # fmt: skip
     ap.add_argument("--transitive", action="store_true", help="estimate missing pair rates")
-    ap.add_argument(
-        "--blocking-reads",
-        choices=["yes", "no"],
-        default=None,
-        help="header reads wait for a computing stage, as with run.epochs_window=rma (default: no)",
-    )
     ap.add_argument("--top", type=int, default=None,
                     help="configurations per method (default 3; --measure: rows, default 8)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.overrides and not a.measure:
-        ap.error(f"overrides {a.overrides} are for --measure")
+    run_dirs = [x for x in a.args if "=" not in x]
+    settings = [x for x in a.args if "=" in x]
+    if len(run_dirs) > 1 or (run_dirs and (a.config or a.preset or a.measure)):
+        ap.error(f"one source: a run directory, --config, --preset or --measure (got {run_dirs})")
     if a.measure:
-        return measure_main(a.overrides, a.ranks, a.force, a.top or 8)
-    if a.run_dir:
-        from pipespec_mpi.plan.job import replan
-
-        again = replan(a.run_dir)  # a hierarchy=auto run: what it planned from, planned again
-        if again is not None:
-            print(f"inputs: {a.run_dir}/plan.json (the measurements hierarchy=auto planned from)")
-            print(table(again, a.top or 8))
-            return 0
+        return measure_main(settings, a.ranks, a.top or 8)
+    run_dir = run_dirs[0] if run_dirs else None
     try:
+        cfg, given = compose_tool_config(settings, SETTINGS)
+        if run_dir:
+            from pipespec_mpi.plan.job import replan
+
+            again = replan(run_dir)  # a hierarchy=auto run: what it planned from, planned again
+            if again is not None:
+                print(f"inputs: {run_dir}/plan.json (the measurements hierarchy=auto planned from)")
+                print(table(again, a.top or 8))
+                return 0
         if a.config:
             inp = load_plan_config(a.config)
-        elif a.run_dir:
-            inp = inputs_from_run(a.run_dir)
+        elif run_dir:
+            inp = inputs_from_run(run_dir)
         else:
             inp = paper_inputs()
-        if a.blocking_reads is not None:
-            inp = replace(inp, blocking_reads=a.blocking_reads == "yes")
-        plan = plan_from(inp, a)
+        if "run.epochs_window" in given:
+            inp = replace(inp, blocking_reads=cfg.run.epochs_window == "rma")
+        plan = plan_from(inp, a, cfg, given)
     except (OSError, ValueError, KeyError) as err:
         return tool_error(PROG, err)
     top = a.top or 3
@@ -139,13 +139,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def plan_from(inp: PlanInputs, a: argparse.Namespace):
-    """The search over a plan file's, a run's or the paper's models, as the command line sets it."""
+def plan_from(inp: PlanInputs, a: argparse.Namespace, cfg: AppConfig, given: set[str]):
+    """The search over a plan file's, a run's or the paper's models, as the command line sets it:
+    the keys it names, else the paper's setting (for the paper), else the app's defaults."""
     paper = inp.paper
+    d = cfg.decode
+
+    def setting(key: str, paper_value: int | None, default: int) -> int:
+        return getattr(d, key) if f"decode.{key}" in given else paper_value if paper else default
+
     decode = DecodeConfig(
-        max_new_tokens=a.tokens or (paper.n_tokens if paper else 128),
-        max_run_ahead=a.max_run_ahead or (paper.max_run_ahead if paper else DecodeConfig.max_run_ahead),
-        max_verify=a.max_verify or (paper.max_verify if paper else DecodeConfig.max_verify),
+        # 128 tokens per simulated prompt unless set: enough draft positions for the acceptance
+        max_new_tokens=setting("max_new_tokens", paper and paper.n_tokens, 128),
+        max_run_ahead=setting("max_run_ahead", paper and paper.max_run_ahead, d.max_run_ahead),
+        max_verify=setting("max_verify", paper and paper.max_verify, d.max_verify),
         policy="static",
     )
     g = Grid()
@@ -155,10 +162,10 @@ def plan_from(inp: PlanInputs, a: argparse.Namespace):
         run_aheads=_ints(a.run_aheads) or g.run_aheads,
     )
     seeds = tuple(range(a.seeds or (len(paper.seeds) if paper else 3)))
-    return search(RateSource(inp, seeds, a.transitive), decode, grid, a.max_stages)
+    return search(RateSource(inp, seeds, a.transitive), decode, grid, cfg.auto.max_stages)
 
 
-def measure_main(hydra_overrides: Sequence[str], ranks: int, force: bool, top: int = 8) -> int:
+def measure_main(hydra_overrides: Sequence[str], ranks: int, top: int = 8) -> int:
     """``--measure``: what ``mpirun -n RANKS python -m pipespec_mpi OVERRIDES`` with
     ``hierarchy=auto`` would measure and choose here, printed, with the command that runs it."""
     from pipespec_mpi.auto.calibrate import Node, calibrate, calibration_prompts
@@ -168,8 +175,6 @@ def measure_main(hydra_overrides: Sequence[str], ranks: int, force: bool, top: i
     hydra_overrides = list(hydra_overrides)
     if not any(o.startswith("hierarchy=") for o in hydra_overrides):
         hydra_overrides.insert(0, "hierarchy=auto")
-    if force:
-        hydra_overrides.append("auto.force=true")
     try:
         cfg = compose_config(hydra_overrides)
         if not cfg.hierarchy.choose:
@@ -190,6 +195,6 @@ def measure_main(hydra_overrides: Sequence[str], ranks: int, force: bool, top: i
     print(f"candidates: {cfg.hierarchy.name} ({', '.join(s.name for s in cfg.hierarchy.stages)}); "
           f"{node.cores} cores, {ranks} ranks; {got} in {cal.seconds:.1f} s")  # fmt: skip
     print(table(plan, top))
-    shown = " ".join(o for o in hydra_overrides if "force" not in o)
+    shown = " ".join(o for o in hydra_overrides if not o.startswith("auto.force"))
     print(f"    mpirun -n {ranks} python -m pipespec_mpi {shown}")
     return 0

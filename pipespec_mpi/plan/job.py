@@ -43,7 +43,7 @@ class AutoJob:
 @dataclass(frozen=True)
 class SearchInputs:
     """Everything a plan from measurements is computed from; plan.json keeps it (``inputs``), so
-    that ``pipespec-plan --from RUN`` plans again from exactly what the job planned from."""
+    that ``pipespec-plan RUN_DIR`` plans again from exactly what the job planned from."""
 
     measured: Measured
     decode: DecodeConfig

@@ -5,12 +5,12 @@ appended to slurm.json. errors.jsonl (the rows not decoded) was written at the s
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from pipespec_mpi.analysis import metrics
+from pipespec_mpi.analysis import metrics, table
+from pipespec_mpi.analysis.table import Column, cell
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.records import (
     BENCHMARK,
@@ -77,21 +77,25 @@ def write_run_files(cfg: AppConfig, run_dir: Path, records: Iterable[Record], er
     print(f"[pipespec_mpi] results in {run_dir}", flush=True)
 
 
+BENCHMARK_COLUMNS = (
+    Column("method"), Column("ms/token", True), Column("tokens/s", True), Column("speedup", True),
+    Column("median", True), Column("min", True), Column("max", True), Column("seq p50", True),
+    Column("seq p90", True),
+)  # fmt: skip
+
+
 def format_benchmark(bench: Mapping[str, BenchmarkRow]) -> str:
     """The printed table: throughput (ms/token = 1000 / tokens/s), the speedup over AR at the
     same batch size and its per-prompt spread, and each sequence's own ms/token (p50, p90)."""
-    lines = [
-        f"{'method':<14}{'ms/token':>10}{'tokens/s':>10}{'speedup':>9}{'median':>8}{'min':>7}{'max':>7}"
-        f"{'seq p50':>9}{'seq p90':>9}"
-    ]
-    nan = math.nan
+    rows = []
     for m, row in bench.items():
         pp = row.speedup_per_prompt
-        speedup = row.speedup if row.speedup is not None else nan
-        median, lo, hi = (pp.median, pp.min, pp.max) if pp is not None else (nan, nan, nan)
         seq = row.sequence_ms_per_token
-        lines.append(
-            f"{m:<14}{row.ms_per_token:>10.2f}{row.tokens_per_s:>10.1f}{speedup:>9.2f}"
-            f"{median:>8.2f}{lo:>7.2f}{hi:>7.2f}{seq.get('p50', nan):>9.2f}{seq.get('p90', nan):>9.2f}"
-        )
-    return "\n".join(lines)
+        rows.append([
+            m, f"{row.ms_per_token:.2f}", f"{row.tokens_per_s:.1f}", cell(row.speedup, ".2f"),
+            cell(pp and pp.median, ".2f"), cell(pp and pp.min, ".2f"), cell(pp and pp.max, ".2f"),
+            cell(seq.get("p50"), ".2f"), cell(seq.get("p90"), ".2f"),
+        ])  # fmt: skip
+    notes = ["speedup: over AR at the same batch size (median, min, max: per prompt); seq: each "
+             "sequence's own ms/token"]  # fmt: skip
+    return table.text(BENCHMARK_COLUMNS, rows, notes)

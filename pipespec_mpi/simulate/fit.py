@@ -1,6 +1,6 @@
 """Simulator inputs fitted from a run directory (``RunFit``, ``fit_run``) and the run re-simulated
 with them: ``predict_run`` puts the simulator's ms/token beside the measured one, per method or
-per record (``pipespec-simulate --fit RUN_DIR``)."""
+per record (``pipespec-simulate RUN_DIR``)."""
 
 from __future__ import annotations
 

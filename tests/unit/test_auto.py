@@ -222,7 +222,7 @@ def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, mo
     from pipespec_mpi.auto.calibrate import Calibration
     from pipespec_mpi.plan import cli, job
     from pipespec_mpi.plan.options import Option
-    from pipespec_mpi.plan.table import format_options
+    from pipespec_mpi.plan.table import option_cells
 
     base = ["hierarchy=tiny2", "dataset=synthetic", f"auto.cache_dir={tmp_path / 'cache'}"]
     cfg = compose_config([*base, "hierarchy.choose=true"])
@@ -236,10 +236,10 @@ def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, mo
     job.write_plan(run, record)
     chosen = Option(**{**record["chosen"], "pipeline": tuple(record["chosen"]["pipeline"])})
     assert chosen.method in ("sd", "pipespec")
-    line = format_options([chosen], chosen)[1]
-    assert cli.main(["--from", str(run)]) == 0
+    cells = option_cells(chosen, chosen)
+    assert cli.main([str(run)]) == 0
     from_run = capsys.readouterr().out
     assert cli.main(["--measure", "--ranks", "2", *base]) == 0
     measured_here = capsys.readouterr().out
-    for out in (from_run, measured_here):
-        assert line in out.splitlines(), out
+    for out in (from_run, measured_here):  # the same row, marked chosen, in both tables
+        assert any(line.split()[1:] == " ".join(cells).split() for line in out.splitlines()), out

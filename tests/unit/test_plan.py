@@ -103,14 +103,15 @@ def test_cli_json(tmp_path, capsys):
         "models": {"d": {"forward_ms": 1.0}, "t": {"forward_ms": {"1": 10, "8": 11}}},
         "acceptance": {"d -> t": 0.9},
     }))  # fmt: skip
-    argv = ["--config", str(path), "--json", "--tokens", "32", "--seeds", "1", "--lookaheads", "0,2",
-            "--sd-windows", "2,4", "--top", "1"]  # fmt: skip
+    argv = ["--config", str(path), "--json", "decode.max_new_tokens=32", "--seeds", "1",
+            "--lookaheads", "0,2", "--sd-windows", "2,4", "--top", "1"]  # fmt: skip
     assert cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
     assert rows[0]["models"] == ["t"]  # the slowest model is the target by default
     assert all(r["overrides"].startswith("method=") for r in rows)
     assert cli.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert cli.main(["--config", str(path), "sampling.temperature=1"]) == 2  # not the planner's key
 
 
 def test_the_planner_predicts_the_paper_setting_as_the_simulator_does():

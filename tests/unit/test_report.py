@@ -125,7 +125,7 @@ def test_table_known_answers(sweep: Path) -> None:
     assert lines[0].split()[:4] == ["run", "method", "models", "window"]
     assert "d-1L > m-3L > t-4L" in text
     assert "4.00*" in text and "2.00" in text and "0->1 1.00, 1->2 2.00" in text
-    md = report.format_markdown(rows)
+    md = report.format_table(rows, md=True)
     assert md.startswith("| run | method |") and md.count("| pipespec |") == 2
 
 
@@ -235,7 +235,7 @@ def test_batched_rows_compare_with_ar_at_their_batch_size_and_plot_against_it(tm
     written = report.write_plots(report.find_runs([run]), rows)
     png = run / "tokens_per_s_vs_batch.png"
     assert png in written and png.read_bytes().startswith(PNG)
-    assert " batch " in report.format_markdown(rows).splitlines()[0]
+    assert " batch " in report.format_table(rows, md=True).splitlines()[0]
 
 
 def test_ar_only_run_has_no_histogram(tmp_path: Path) -> None:

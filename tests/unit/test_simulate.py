@@ -281,16 +281,24 @@ def test_lookup_trace_from_a_record():
     assert lookup_trace(rec) == {0: 4, 5: 1, 6: 0}
 
 
-def test_cli_from_run_json(tmp_path, capsys):
+def test_cli_runs_json_table_and_settings(tmp_path, capsys):
     run = _synthetic_run(tmp_path / "run")
     _fix_lookahead(run)
-    assert main(["--from", str(run), "--json"]) == 0
+    assert main([str(run), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"ar", "sd", "pipespec"}
-    assert set(out["sd"]) == {"measured_ms_per_token", "predicted_ms_per_token"}
-    assert main(["--from", str(run)]) == 0
-    assert "predicted" in capsys.readouterr().out
-    assert main(["--from", str(tmp_path / "nope")]) == 2
+    assert [r["method"] for r in out] == ["ar", "sd", "pipespec"]
+    assert {"run", "measured_ms_per_token", "predicted_ms_per_token", "error"} <= set(out[1])
+    assert main([str(run), "run.epochs_window=rma"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].split()[:2] == ["run", "hierarchy"] and set(text[1]) <= {"-", " "}
+    assert main([str(run), "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("| run | hierarchy |")
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+    # settings are the app's keys, checked as a job checks them; other groups are refused
+    for bad in ("decode.max_run_ahead=x", "decode.nope=1", "sampling.top_k=3"):
+        assert main([str(run), bad]) == 2
+        assert capsys.readouterr().err.startswith("pipespec-simulate: error: invalid configuration")
 
 
 def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys):
@@ -298,7 +306,7 @@ def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys
 
     run = _synthetic_run(tmp_path / "run")
     _fix_lookahead(run)
-    assert main(["--fit", str(run), "--json"]) == 0
+    assert main([str(run), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["ar", "sd", "pipespec"]
     assert all(r["hierarchy"] == "sim" and r["window"] == [2, 3] for r in rows)

@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from pipespec_mpi.analysis import table as layout
+from pipespec_mpi.analysis.table import Column
 from pipespec_mpi.simulate.explore.scenarios import (
     FAMILIES,
     PRESETS,
@@ -87,11 +89,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         print(json.dumps({"seconds": dt, "families": [asdict(t) for t in tallies]}, indent=2))
     else:
-        for t in tallies:
-            bad = {k: v for k, v in t.counts.items() if k != "ok"}
-            print(f"{t.family:<20} {t.schedules:>7} schedules  failures: {bad or 'none'}")
-            for f in t.failures:
-                print(f"    {f['family']}:{f['seed']} {f['verdict']}: {f['detail'][:300]}")
+        rows = [
+            [
+                t.family,
+                str(t.schedules),
+                ", ".join(f"{k} {v}" for k, v in t.counts.items() if k != "ok") or "none",
+            ]
+            for t in tallies
+        ]
+        failures = [
+            f"{f['family']}:{f['seed']} {f['verdict']}: {f['detail'][:300]}"
+            for t in tallies
+            for f in t.failures
+        ]
         preset = f", preset {a.preset}" if a.preset else ""
-        print(f"seeds {a.start}..{a.start + a.count - 1}{preset}, {dt:.0f} s")
+        notes = [*failures, f"seeds {a.start}..{a.start + a.count - 1}{preset}, {dt:.0f} s"]
+        print(layout.text((Column("family"), Column("schedules", True), Column("failures")), rows, notes))
     return 0 if all(t.counts.get("ok", 0) == t.schedules for t in tallies) else 1
