@@ -301,6 +301,9 @@ class MethodSummary:
     energy_j_per_token_system: float | None = None
     energy_j_per_token_per_gpu: float | None = None
     n_gpus_measured: int | None = None
+    # what the entry is of, as fields (its key in the file, ``group_key``, says the same; files
+    # written before the fields existed get them from the key when read)
+    method: str = ""
 
     def to_json(self) -> dict:
         return _without_none(dataclasses.asdict(self), ("energy_j_per_token_system",
@@ -355,6 +358,7 @@ class BenchmarkRow:
     sequence_ms_per_token: dict[str, float] = field(default_factory=dict)  # p50, p90, mean
     speedup: float | None = None  # tokens/s over AR's at the same batch size
     speedup_per_prompt: SpeedupPerPrompt | None = None
+    method: str = ""  # as in MethodSummary: the entry's method (batch_size: its batch size)
 
     def to_json(self) -> dict:
         return _without_none(dataclasses.asdict(self), ("speedup", "speedup_per_prompt"))
@@ -393,9 +397,34 @@ def _read_doc(path: str | Path, load: Callable[[Any, str], Any]) -> dict:
     except json.JSONDecodeError as err:
         raise RecordError(path, err.lineno, f"not JSON: {err.msg} (column {err.colno})") from None
     try:
-        return {m: load(v, repr(m)) for m, v in _object(doc, "the file").items()}
+        out = {m: load(v, repr(m)) for m, v in _object(doc, "the file").items()}
     except _Malformed as err:
         raise RecordError(path, None, str(err)) from None
+    for key, entry in out.items():  # written before the entries named their method
+        if not entry.method:
+            entry.method, entry.batch_size = parse_group_key(key)
+    return out
+
+
+def group_key(method: str, batch_size: int) -> str:
+    """The key of a method's entry at a batch size in summary.json and benchmark.json:
+    ``pipespec`` at batch 1 (as before batching), ``pipespec@b4`` at 4. Readers use the entries'
+    ``method`` and ``batch_size`` fields (``find_entry``); the key is for people and old files."""
+    return method if batch_size == 1 else f"{method}@b{batch_size}"
+
+
+def parse_group_key(key: str) -> tuple[str, int]:
+    """(method, batch size) of a ``group_key``: only for files older than the fields."""
+    method, _, b = key.partition("@b")
+    return method, int(b or 1)
+
+
+_E = typing.TypeVar("_E", "MethodSummary", "BenchmarkRow")
+
+
+def find_entry(doc: Mapping[str, _E], method: str, batch_size: int = 1) -> _E | None:
+    """The entry of summary.json or benchmark.json for ``method`` at ``batch_size``, by its fields."""
+    return next((e for e in doc.values() if e.method == method and e.batch_size == batch_size), None)
 
 
 def _object(v: Any, where: str) -> dict:

@@ -24,6 +24,7 @@ from pipespec_mpi.records import (
     Record,
     SpeedupPerPrompt,
     StageSummary,
+    group_key,
 )
 from pipespec_mpi.stage.stats import StageStats
 
@@ -89,18 +90,6 @@ def token_latencies(commit_times: Sequence[Sequence[float]]) -> list[float]:
             out.extend([(t - prev_t) / k] * k)
         prev_t, prev_n = t, int(n)
     return out
-
-
-def group_key(method: str, batch_size: int) -> str:
-    """The key of a method's results at a batch size in summary.json and benchmark.json:
-    ``pipespec`` at batch 1 (as before batching), ``pipespec@b4`` at 4."""
-    return method if batch_size == 1 else f"{method}@b{batch_size}"
-
-
-def parse_group_key(key: str) -> tuple[str, int]:
-    """(method, batch size) of a ``group_key``: built and read only here."""
-    method, _, b = key.partition("@b")
-    return method, int(b or 1)
 
 
 def decoding_wall_s(rs: Iterable[Record]) -> float:
@@ -212,6 +201,7 @@ class _Group:
 
     def __init__(self, first: Record) -> None:
         self.batch_size = first.batch_size
+        self.method = first.method
         self.n_prompts = 0
         self.n_tokens = 0
         self.wall = _DecodingWall()
@@ -258,6 +248,7 @@ class _Group:
             stages=[st.summary(wall) for st in self.stages],
             peak_rss_mb=[st.peak_rss_mb for st in self.stages],
             batch_size=self.batch_size,
+            method=self.method,
             sequence_ms_per_token=_sequence_ms(self.sequence_ms),
             **_energy(self.energy_j, tokens),
             **_cost(self.threads, self.n_gpus, tokens, wall),
@@ -368,6 +359,7 @@ def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[s
             mean_accepted_per_verification=s.mean_accepted_per_verification,
             busy_fraction=[st.busy_fraction for st in s.stages],
             batch_size=b,
+            method=m,
             sequence_ms_per_token=s.sequence_ms_per_token,
         )
         if ar in summary:

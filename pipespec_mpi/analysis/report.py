@@ -46,10 +46,9 @@ METHOD_ORDER = {"ar": 0, "sd": 1, "pipespec": 2}
 # the table
 
 
-def method_key(m: str) -> tuple:
-    """Order of summary keys: by method (AR, SD, PipeSpec), then batch size (``pipespec@b4``)."""
-    method, b = metrics.parse_group_key(m)
-    return (METHOD_ORDER.get(method, len(METHOD_ORDER)), method, b)
+def method_order(method: str, batch_size: int) -> tuple:
+    """Order of a run's rows: by method (AR, SD, PipeSpec), then batch size."""
+    return (METHOD_ORDER.get(method, len(METHOD_ORDER)), method, batch_size)
 
 
 def target_of(records: Sequence[Record]) -> str:
@@ -98,9 +97,9 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
             print(f"[report] {run.path}: no measured (non-warm-up) records", file=sys.stderr)
             continue
         summary = metrics.summarize(recs)
-        for key in sorted(summary, key=method_key):
-            mine = [r for r in recs if metrics.group_key(r.method, r.batch_size) == key]
-            m, b = mine[0].method, mine[0].batch_size
+        for key, s in sorted(summary.items(), key=lambda kv: method_order(kv[1].method, kv[1].batch_size)):
+            m, b = s.method, s.batch_size
+            mine = [r for r in recs if (r.method, r.batch_size) == (m, b)]
             target = target_of(mine)
             if m == "ar":
                 ref, ref_runs = mine, [run]
@@ -108,7 +107,6 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 ref, ref_runs = ar_reference(run, runs, target, b)
             # benchmark_table pairs the method with AR (aggregate and per-prompt ratios)
             bench = metrics.benchmark_table(mine if m == "ar" else mine + ref, [m])[key]
-            s = summary[key]
             first = mine[0]
             acc = s.acceptance
             per_prompt = bench.speedup_per_prompt
@@ -165,7 +163,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
     rows.sort(
         key=lambda r: (
             r["target"],
-            method_key(r["method"]),
+            method_order(r["method"], 1),
             len(r["models"]),
             r["models"],
             -1 if r["window"] is None else r["window"],
@@ -316,7 +314,7 @@ def timeline_records(run: Run, prompt_id: str | None = None) -> dict[str, Record
     """One record per method for one prompt: ``prompt_id``, else the first measured prompt
     that every method of the run decoded (warm-up records only if nothing else)."""
     pool = run.measured or run.records
-    methods = sorted({r.method for r in pool}, key=method_key)
+    methods = sorted({r.method for r in pool}, key=lambda m: method_order(m, 1))
     if prompt_id is None:
         done: dict[str, set[str]] = {}
         for r in pool:

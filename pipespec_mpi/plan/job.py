@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipespec_mpi.analysis.metrics import group_key
 from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary, within
 from pipespec_mpi.auto.measured import Measured
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
@@ -27,7 +26,7 @@ from pipespec_mpi.plan.realize import realize
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
-from pipespec_mpi.records import SUMMARY, read_summary
+from pipespec_mpi.records import SUMMARY, find_entry, group_key, read_summary
 
 log = logging.getLogger("pipespec_mpi")
 PLAN = "plan.json"
@@ -157,16 +156,17 @@ def add_measured(run_dir: Path, record: dict, off_factor: float) -> None:
     its prediction than ``off_factor`` (auto.off_factor) either way says so, in plan.json and
     the log, and drops the cached costs it was planned from (the agreement stays: greedy paths
     do not depend on the node's load), so that the next job measures them again."""
-    measured = {m: s.ms_per_token for m, s in read_summary(run_dir / SUMMARY).items()}
-    record = {**record, "measured_ms_per_token": measured}
+    summary = read_summary(run_dir / SUMMARY)
+    record = {**record, "measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}
     chosen = record["chosen"]
-    key = group_key(chosen["method"], chosen.get("batch_size", 1))
-    got = measured.get(key)
+    batch = chosen.get("batch_size", 1)
+    key = group_key(chosen["method"], batch)
+    mine, ar = find_entry(summary, chosen["method"], batch), find_entry(summary, "ar", batch)
+    got = mine.ms_per_token if mine else None
     if got:
         record["measured_vs_predicted"] = round(got / chosen["ms_per_token"], 3)
-        ar = measured.get(group_key("ar", chosen.get("batch_size", 1)))
-        if ar:
-            record["measured_speedup"] = round(ar / got, 3)
+        if ar and ar.ms_per_token:
+            record["measured_speedup"] = round(ar.ms_per_token / got, 3)
         print(
             f"[pipespec_mpi] auto: {key} measured {got:.2f} ms/token, predicted "
             f"{chosen['ms_per_token']:.2f} (AR predicted {record['ar']['ms_per_token']:.2f})",

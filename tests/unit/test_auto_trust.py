@@ -63,8 +63,8 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
     agreement = tmp_path / "agreement.json"
     agreement.write_text("{}")
     summary = {
-        "pipespec": SimpleNamespace(ms_per_token=measured_ms),
-        "ar": SimpleNamespace(ms_per_token=60.0),
+        "pipespec": SimpleNamespace(method="pipespec", batch_size=1, ms_per_token=measured_ms),
+        "ar": SimpleNamespace(method="ar", batch_size=1, ms_per_token=60.0),
     }
     monkeypatch.setattr(job, "read_summary", lambda path: summary)
     record = {"chosen": {"method": "pipespec", "ms_per_token": 25.0, "batch_size": 1},

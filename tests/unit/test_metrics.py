@@ -2,6 +2,7 @@ import random
 import statistics
 import weakref
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -11,12 +12,11 @@ from pipespec_mpi.analysis.metrics import (
     acceptance_of_counts,
     benchmark_table,
     decoding_wall_s,
-    group_key,
     latency_percentiles_ms,
     summarize,
     token_latencies,
 )
-from pipespec_mpi.records import PairAcceptance, Record
+from pipespec_mpi.records import PairAcceptance, Record, group_key
 from pipespec_mpi.stage.stats import StageStats
 from tests.unit.test_records import make_record
 
@@ -280,10 +280,15 @@ def test_summarize_keeps_no_record():
     assert not live
 
 
-def test_group_keys_round_trip():
-    from pipespec_mpi.analysis.metrics import group_key, parse_group_key
+def test_group_keys_round_trip_and_entries_name_their_group():
+    from pipespec_mpi.records import find_entry, parse_group_key
 
     assert group_key("pipespec", 1) == "pipespec" and group_key("sd", 4) == "sd@b4"
     for method in ("ar", "sd", "pipespec"):
         for b in (1, 2, 16):
             assert parse_group_key(group_key(method, b)) == (method, b)
+    recs = [replace(_rec(m, f"p{i}", 8, 0.1 * (i + 1)), batch_size=b) for m in ("ar", "pipespec")
+            for b in (1, 4) for i in range(2)]  # fmt: skip
+    for doc in (summarize(recs), benchmark_table(recs, ["ar", "pipespec"])):
+        assert all((e.method, e.batch_size) == parse_group_key(k) for k, e in doc.items())
+        assert find_entry(doc, "pipespec", 4) is doc["pipespec@b4"] and find_entry(doc, "sd") is None

@@ -157,7 +157,7 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
         "n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s", "ttft_s_mean", "token_latency_ms",
         "acceptance", "mean_accepted_per_verification", "stages", "peak_rss_mb", "batch_size",
         "sequence_ms_per_token", "rows_not_decoded", "energy_j_per_token_system",
-        "energy_j_per_token_per_gpu", "n_gpus_measured",
+        "energy_j_per_token_per_gpu", "n_gpus_measured", "method",
     ]  # fmt: skip
     assert list(doc["pipespec"]["token_latency_ms"]) == ["p50", "p90", "p99"]
     assert doc["pipespec"]["acceptance"]["0->1"]["accepted_histogram"] == [0, 0, 0, 2, 0]
@@ -187,8 +187,9 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     assert list(doc) == ["ar", "pipespec"]
     assert list(doc["pipespec"]) == [
         "n_prompts", "n_tokens", "wall_s", "ms_per_token", "tokens_per_s", "mean_accepted_per_verification",
-        "busy_fraction", "batch_size", "sequence_ms_per_token", "speedup", "speedup_per_prompt",
+        "busy_fraction", "batch_size", "sequence_ms_per_token", "speedup", "speedup_per_prompt", "method",
     ]  # fmt: skip
+    assert (doc["pipespec"]["method"], doc["pipespec"]["batch_size"]) == ("pipespec", 1)
     assert doc["pipespec"]["speedup_per_prompt"] == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 2}
     # without AR there is no speedup: the keys are absent, as before
     no_ar = benchmark_table(recs[2:], ["pipespec"])
@@ -206,10 +207,15 @@ def test_summary_json_of_an_older_run_reads(tmp_path: Path) -> None:
         s["energy_j_per_token_system"],
         s["energy_j_per_token_per_gpu"],
         s["n_gpus_measured"],
+        s["method"],  # entries named their method and batch size only by their key then
     )
-    (tmp_path / "summary.json").write_text(json.dumps({"pipespec": s}))
-    got = read_summary(tmp_path / "summary.json")["pipespec"]
+    s4 = {**s, "batch_size": 4}
+    (tmp_path / "summary.json").write_text(json.dumps({"pipespec": s, "pipespec@b4": s4}))
+    doc = read_summary(tmp_path / "summary.json")
+    got = doc["pipespec"]
     assert isinstance(got, MethodSummary) and got.peak_rss_mb == [] and got.n_gpus_measured is None
+    assert (got.method, got.batch_size) == ("pipespec", 1)
+    assert (doc["pipespec@b4"].method, doc["pipespec@b4"].batch_size) == ("pipespec", 4)
     (tmp_path / "bad.json").write_text(json.dumps({"ar": {"n_prompts": 1}}))
     with pytest.raises(RecordError, match=r"bad\.json: 'ar': missing field 'n_tokens'"):
         read_benchmark(tmp_path / "bad.json")
