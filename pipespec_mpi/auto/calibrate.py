@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipespec_mpi.auto import fingerprint
-from pipespec_mpi.auto.measure import Agreement, Workers, measure_costs, one_token_s
+from pipespec_mpi.auto.measure import Agreement, CostCheck, StageCost, Workers, measure_costs, within
 from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, threads_per_rank
 from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
 
@@ -41,11 +41,6 @@ class Node:
         if bound is None:
             bound = cores < (os.cpu_count() or cores)  # the launcher gave this rank its own cores
         return cls(cores, ranks_on_node, world_size // replicas, bound)
-
-
-def within(a: float, b: float, factor: float) -> bool:
-    """``a`` and ``b`` are at most ``factor`` (>= 1) apart, either way."""
-    return b / factor <= a <= b * factor
 
 
 @dataclass(frozen=True)
@@ -82,7 +77,7 @@ def spot_check(
         return None
     with Workers(hier, stages=(last,)) as w:
         now = w.costs((last,), threads, context, (1,), max(3, repeats))
-    return SpotCheck(one_token_s(cached[0]), one_token_s(now[0]), factor)
+    return SpotCheck(StageCost.from_json(cached[0]).one_token_s, now[0].one_token_s, factor)
 
 
 @dataclass(frozen=True)
@@ -95,6 +90,7 @@ class Calibration:
     not_measured: tuple[tuple[str, ...], ...] = ()  # pipelines with a drafter slower than the target
     phases: dict[str, float] | None = None  # seconds: starting the workers, agreement, costs
     spot: SpotCheck | None = None  # the cached costs' check at start (None: measured now)
+    check: CostCheck | None = None  # the target's timings across pipelines (None: from the cache)
 
 
 def calibration_prompts(cfg: AppConfig, tokenizer) -> list[list[int]]:
@@ -157,7 +153,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     costs = None if a.force else cache.get("costs", cost_for)
     agree = None if a.force else cache.get("agreement", agree_for)
     phases: dict[str, float] = {}
-    spot = None
+    spot = check = None
     if costs is not None:
         t = time.perf_counter()
         spot = spot_check(hier, costs, threads[1], calib[0], a.repeats, a.stale_factor)
@@ -182,8 +178,15 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
                 phases["agreement_s"] = time.perf_counter() - t
             if costs is None:
                 t = time.perf_counter()
-                got = measure_costs(workers, pipelines, threads, calib[0], a.token_counts, a.repeats)
-                costs = {"costs": [[list(p), c] for p, c in got.items()]}
+                got, check = measure_costs(
+                    workers, pipelines, threads, calib[0], a.token_counts, a.repeats, a.stale_factor
+                )
+                if check.remeasured:
+                    log.warning(
+                        "auto: the target's step disagreed across pipelines %s: timed them again (%s)",
+                        check.remeasured, f"still off: {check.still_off}" if check.still_off else "agree now",
+                    )  # fmt: skip
+                costs = {"costs": [[list(p), [c.to_json() for c in cs]] for p, cs in got.items()]}
                 cache.put("costs", cost_for, costs)
                 phases["costs_s"] = time.perf_counter() - t
     costs = costs["costs"]
@@ -191,7 +194,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         stages=tuple(s.name for s in hier.stages),
         kinds=tuple(s.kind for s in hier.stages),
         max_proposal=tuple(s.max_proposal for s in hier.stages),
-        costs={tuple(p): pts for p, pts in costs},
+        costs={tuple(p): tuple(StageCost.from_json(c) for c in cs) for p, cs in costs},
         threads=threads,
         agreement=Agreement.from_json(agree),
     )
@@ -201,7 +204,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     }
     names = measured.stages
     skipped = tuple(tuple(names[i] for i in p) for p in pipelines if p not in measured.costs)
-    return Calibration(measured, max_k, time.perf_counter() - t0, cached, files, skipped, phases, spot)
+    return Calibration(measured, max_k, time.perf_counter() - t0, cached, files, skipped, phases, spot, check)
 
 
 def summary(cal: Calibration) -> dict:
@@ -212,6 +215,7 @@ def summary(cal: Calibration) -> dict:
         "from_cache": list(cal.cached),
         "cache_files": dict(cal.cache_files),
         "spot_check": cal.spot.to_json() if cal.spot else None,
+        "cost_check": cal.check.to_json() if cal.check else None,
         "not_measured": [" -> ".join(p) for p in cal.not_measured],
         "stages": list(cal.measured.stages),
         "rates": {f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},

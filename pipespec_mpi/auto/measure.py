@@ -15,9 +15,10 @@ import dataclasses
 import json
 import os
 import select
+import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipespec_mpi.config import HierarchyConfig
@@ -52,6 +53,42 @@ class Agreement:
     def from_json(cls, node: dict) -> Agreement:
         tup = lambda x: tuple(tup(v) for v in x) if isinstance(x, list) else x  # noqa: E731
         return cls(tup(node["paths"]), tup(node["proposals"]), tup(node.get("prompt_lens", [])))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's forward costs as timed inside one candidate pipeline (cached as JSON; a
+    worker reports it as ``to_json`` writes it)."""
+
+    points: tuple[tuple[int, float], ...]  # (new tokens in the forward, seconds), by tokens
+    prefill_s: float = 0.0  # the prefill of ``context`` prompt tokens
+    context: int = 0
+    per_sequence_s: float = 0.0  # what one more sequence adds to a batched forward
+
+    @property
+    def one_token_s(self) -> float:
+        return next(s for n, s in self.points if n == 1)
+
+    def scaled(self, factor: float) -> StageCost:
+        return dataclasses.replace(
+            self,
+            points=tuple((n, s * factor) for n, s in self.points),
+            prefill_s=self.prefill_s * factor,
+            per_sequence_s=self.per_sequence_s * factor,
+        )
+
+    def to_json(self) -> dict:
+        return {"points": [list(p) for p in self.points], "prefill_s": self.prefill_s,
+                "context": self.context, "per_sequence_s": self.per_sequence_s}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, node: dict) -> StageCost:
+        return cls(
+            points=tuple((int(n), float(t)) for n, t in node["points"]),
+            prefill_s=float(node.get("prefill_s", 0.0)),
+            context=int(node.get("context", 0)),
+            per_sequence_s=float(node.get("per_sequence_s", 0.0)),
+        )
 
 
 class Worker:
@@ -127,19 +164,19 @@ class Workers:
         context: Sequence[int],
         token_counts: Sequence[int],
         repeats: int,
-    ) -> list[dict]:
-        """Every stage of ``pipeline`` timed together: its (n, seconds) ``points``, ``prefill_s``."""
+    ) -> list[StageCost]:
+        """Every stage of ``pipeline`` timed together."""
         ws = [self.by_stage[i] for i in pipeline]
         cmd = {"do": "cost", "threads": threads, "context": list(context),
                "token_counts": list(token_counts), "repeats": repeats}  # fmt: skip
         for w in ws:
             w.send(cmd)
-        points = [w.reply() for w in ws]  # each keeps the node busy until all are done
+        costs = [StageCost.from_json(w.reply()) for w in ws]  # each keeps the node busy until all are done
         for w in ws:
             w.send("stop")
         for w in ws:
             w.reply()
-        return points
+        return costs
 
     def agreement(
         self, prompts: Sequence[Sequence[int]], tokens: int, eos: int | None, threads: int
@@ -159,6 +196,51 @@ class Workers:
         return Agreement.from_json({"paths": paths, "proposals": proposals, "prompt_lens": lens})
 
 
+Pipeline = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CostCheck:
+    """How the target's timings in the different pipelines compared (``disagreeing``)."""
+
+    remeasured: tuple[Pipeline, ...] = ()  # timed again: their first timing disagreed
+    still_off: tuple[Pipeline, ...] = ()  # disagreed again: kept, and said so in plan.json
+
+    def to_json(self) -> dict:
+        return {
+            "remeasured": [list(p) for p in self.remeasured],
+            "still_off": [list(p) for p in self.still_off],
+        }
+
+
+def disagreeing(costs: Mapping[Pipeline, Sequence[StageCost]], factor: float) -> list[Pipeline]:
+    """Pipelines whose timing of the target (their last stage) disagrees with its other timings.
+    The target is timed in every pipeline: in those of one length its ranks get the same
+    threads, so its one-token step may differ by what its neighbours do but not by more than
+    ``factor`` from the median of them all; alone (AR) it has at least those threads and no
+    neighbour, so it is not ``factor`` slower than that median. A timing that breaks either
+    was disturbed (a busy process took the node for a while, as one that made a cached AR cost
+    12x too slow) and is timed again."""
+    by_len: dict[int, list[Pipeline]] = {}
+    for p in costs:
+        by_len.setdefault(len(p), []).append(p)
+    target = lambda p: costs[p][-1].one_token_s  # noqa: E731
+    medians = {k: statistics.median(target(p) for p in ps) for k, ps in by_len.items()}
+    off = [
+        p for k, ps in by_len.items() if len(ps) > 2 for p in ps if not within(target(p), medians[k], factor)
+    ]
+    alone = next((p for p in by_len.get(1, ())), None)
+    inside = [medians[k] for k in by_len if k > 1]
+    if alone is not None and inside and target(alone) > factor * min(inside):
+        off.append(alone)
+    return sorted(set(off), key=lambda p: (len(p), p))
+
+
+def within(a: float, b: float, factor: float) -> bool:
+    """``a`` and ``b`` no more than ``factor`` apart, either way."""
+    return b / factor <= a <= b * factor
+
+
 def measure_costs(
     workers: Workers,
     pipelines: Sequence[Sequence[int]],
@@ -166,21 +248,26 @@ def measure_costs(
     context: Sequence[int],
     token_counts: Sequence[int],
     repeats: int,
-) -> dict[tuple[int, ...], list[dict]]:
+    factor: float = 1.5,
+) -> tuple[dict[Pipeline, list[StageCost]], CostCheck]:
     """Costs of every stage of every candidate pipeline (threads per rank by pipeline length),
-    shortest pipelines first. A drafter whose one-token step beside the target is at least the
-    target's own can never run ahead of it: pipelines with more stages that contain it are not
-    measured (on the 2-core EPYC the bf16 copy took 56 ms to the target's 36)."""
-    out: dict[tuple[int, ...], list[dict]] = {}
+    shortest pipelines first, and the pipelines whose timing of the target disagreed with the
+    rest (``disagreeing``) timed once more. A drafter whose one-token step beside the target is
+    at least the target's own can never run ahead of it: pipelines with more stages that
+    contain it are not measured (on the 2-core EPYC the bf16 copy took 56 ms to the target's 36)."""
+    out: dict[Pipeline, list[StageCost]] = {}
     too_slow: set[int] = set()
+
+    def time(p: Pipeline) -> list[StageCost]:
+        return workers.costs(p, threads_of[len(p)], context, token_counts, repeats)
+
     for p in sorted((tuple(p) for p in pipelines), key=len):
         if len(p) > 2 and too_slow & set(p):
             continue
-        out[p] = workers.costs(p, threads_of[len(p)], context, token_counts, repeats)
-        if len(p) == 2 and one_token_s(out[p][0]) >= one_token_s(out[p][1]):
+        out[p] = time(p)
+        if len(p) == 2 and out[p][0].one_token_s >= out[p][1].one_token_s:
             too_slow.add(p[0])
-    return out
-
-
-def one_token_s(cost: dict) -> float:
-    return next(s for n, s in cost["points"] if n == 1)
+    again = disagreeing(out, factor)
+    for p in again:
+        out[p] = time(p)
+    return out, CostCheck(tuple(again), tuple(p for p in disagreeing(out, factor) if p in again))

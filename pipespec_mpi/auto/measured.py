@@ -23,10 +23,10 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipespec_mpi.auto.measure import Agreement
+from pipespec_mpi.auto.measure import Agreement, Pipeline, StageCost
 from pipespec_mpi.config import DRAFTER_KINDS, StageConfig
 
-Pipeline = tuple[int, ...]  # stage indices of the candidate hierarchy, smallest first, target last
+# Pipeline: stage indices of the candidate hierarchy, smallest first, target last
 
 
 def candidates(stages: Sequence[StageConfig], max_stages: int) -> list[Pipeline]:
@@ -125,15 +125,14 @@ class Measured:
     stages: tuple[str, ...]  # candidate stage names, smallest first
     kinds: tuple[str, ...]
     max_proposal: tuple[int, ...]
-    # P -> per stage {points: [(n, s)], prefill_s, context, per_sequence_s}
-    costs: Mapping[Pipeline, Sequence[Mapping]]
+    costs: Mapping[Pipeline, Sequence[StageCost]]  # P -> per stage of P
     threads: Mapping[int, int]  # k -> threads per rank
     agreement: Agreement
 
     def to_json(self) -> dict:
         return {
             "stages": list(self.stages), "kinds": list(self.kinds), "max_proposal": list(self.max_proposal),
-            "costs": [[list(p), pts] for p, pts in self.costs.items()],
+            "costs": [[list(p), [c.to_json() for c in cs]] for p, cs in self.costs.items()],
             "threads": {str(k): v for k, v in self.threads.items()},
             "agreement": self.agreement.to_json(),
         }  # fmt: skip
@@ -144,7 +143,7 @@ class Measured:
             stages=tuple(node["stages"]),
             kinds=tuple(node["kinds"]),
             max_proposal=tuple(node["max_proposal"]),
-            costs={tuple(p): pts for p, pts in node["costs"]},
+            costs={tuple(p): tuple(StageCost.from_json(c) for c in cs) for p, cs in node["costs"]},
             threads={int(k): v for k, v in node["threads"].items()},
             agreement=Agreement.from_json(node["agreement"]),
         )

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary, within
+from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary
+from pipespec_mpi.auto.measure import within
 from pipespec_mpi.auto.measured import Measured
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig, DecodeConfig

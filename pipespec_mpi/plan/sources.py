@@ -24,8 +24,8 @@ from pipespec_mpi.simulate.paper import PAPER_LATENCY_S, PAPER_PROFILES, PAPER_R
 def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
     out = []
     for s, cost in zip(p, m.costs[p]):
-        points = tuple((float(n), float(t)) for n, t in cost["points"])
-        prefill = cost.get("prefill_s", 0.0) / cost["context"] if cost.get("context") else 0.0
+        points = tuple((float(n), t) for n, t in cost.points)
+        prefill = cost.prefill_s / cost.context if cost.context else 0.0
         if m.kinds[s] in DRAFTER_KINDS:
             hit, chain = lookup_rates(m.agreement, s)
             out.append(sim.LatencyProfile(
@@ -34,7 +34,7 @@ def profiles(m: Measured, p: Pipeline) -> list[sim.LatencyProfile]:
             ))  # fmt: skip
         else:
             out.append(sim.LatencyProfile(name=m.stages[s], points=points, prefill_per_token_s=prefill,
-                                          per_sequence_s=float(cost.get("per_sequence_s", 0.0))))  # fmt: skip
+                                          per_sequence_s=cost.per_sequence_s))  # fmt: skip
     return out
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from pipespec_mpi.auto.fingerprint import MeasurementCache, cpu_identity
-from pipespec_mpi.auto.measure import Agreement
+from pipespec_mpi.auto.measure import Agreement, StageCost, disagreeing
 from pipespec_mpi.auto.measured import (
     Measured,
     agreement_rate,
@@ -99,12 +99,12 @@ def measured(drafter_ms: float, rate: float, target_ms: float = 40.0) -> Measure
     path = list(range(40))
     agree = round(rate * 40)
     props = [t if i < agree else 1000 for i, t in enumerate(path)]
-    pts = lambda ms, per: {"points": [[1, ms / 1e3], [16, (ms + 15 * per) / 1e3]]}  # noqa: E731
+    pts = lambda ms, per: StageCost(((1, ms / 1e3), (16, (ms + 15 * per) / 1e3)))  # noqa: E731
     return Measured(
         stages=("drafter", "target"),
         kinds=("tiny", "tiny"),
         max_proposal=(8, 8),
-        costs={(1,): [pts(target_ms, 0.5)], (0, 1): [pts(drafter_ms, 0.1), pts(target_ms * 1.1, 0.5)]},
+        costs={(1,): (pts(target_ms, 0.5),), (0, 1): (pts(drafter_ms, 0.1), pts(target_ms * 1.1, 0.5))},
         threads={1: 2, 2: 1},
         agreement=agreement(path, props),
     )
@@ -145,8 +145,8 @@ def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
         kinds=tuple(s.kind for s in cfg.hierarchy.stages),
         max_proposal=(8,) * 5,
         costs={
-            (4,): [{"points": [[1, 0.04]]}],
-            (2, 4): [{"points": [[1, 0.004], [16, 0.006]]}, {"points": [[1, 0.044], [16, 0.05]]}],
+            (4,): [StageCost(((1, 0.04),))],
+            (2, 4): [StageCost(((1, 0.004), (16, 0.006))), StageCost(((1, 0.044), (16, 0.05)))],
         },
         threads={1: 2, 2: 1},
         agreement=agreement(list(range(30)), [-1] * 30, [-1] * 30, list(range(30)), [-1] * 30),
@@ -203,8 +203,8 @@ def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
     assert {o.batch_size for o in plan.options} == {1, 4}
     assert "at batch 4" in plan.reason and "best AR" in plan.reason
     steep = measured(drafter_ms=4, rate=0.3)
-    steep.costs[(1,)][0]["points"] = [[1, 0.040], [16, 0.040 * 16]]
-    steep.costs[(0, 1)][1]["points"] = [[1, 0.044], [16, 0.044 * 16]]
+    steep.costs[(1,)] = (StageCost(((1, 0.040), (16, 0.040 * 16))),)
+    steep.costs[(0, 1)] = (steep.costs[(0, 1)][0], StageCost(((1, 0.044), (16, 0.044 * 16))))
     plan = predict(steep, DECODE, 3, margin=0.05, seeds=(0,), batch_sizes=(1, 4))
     assert plan.chosen.method == "ar" and plan.chosen == plan.ar and "AR" in plan.reason
     tiny = compose_config(["hierarchy=tiny"])
@@ -243,3 +243,47 @@ def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, mo
     measured_here = capsys.readouterr().out
     for out in (from_run, measured_here):  # the same row, marked chosen, in both tables
         assert any(line.split()[1:] == " ".join(cells).split() for line in out.splitlines()), out
+
+
+def test_a_target_timing_that_disagrees_with_its_others_is_found():
+    """The target (the last stage) timed in every pipeline: among pipelines of one length (the
+    same threads) each timing near their median; alone not slower than inside a pipeline."""
+
+    def costs(alone_ms: float, inside_ms: dict[tuple[int, ...], float]) -> dict:
+        out = {(3,): [StageCost(((1, alone_ms / 1e3),))]}
+        for p, ms in inside_ms.items():
+            out[p] = [StageCost(((1, 0.001),))] * (len(p) - 1) + [StageCost(((1, ms / 1e3),))]
+        return out
+
+    pairs = {(0, 3): 38.0, (1, 3): 50.0, (2, 3): 57.0}  # beside a lookup, an int8 and a bf16 copy
+    assert disagreeing(costs(34.0, pairs), 1.5) == []
+    assert disagreeing(costs(34.0, {**pairs, (1, 3): 600.0}), 1.5) == [(1, 3)]  # a busy process
+    assert disagreeing(costs(400.0, pairs), 1.5) == [(3,)]  # AR timed beside one: 8x a pipeline's
+    assert disagreeing(costs(34.0, {(0, 3): 38.0, (1, 3): 600.0}), 1.5) == []  # two: no median
+    # a StageCost survives its JSON (the cache) unchanged
+    c = StageCost(((1, 0.01), (16, 0.02)), prefill_s=0.3, context=64, per_sequence_s=0.001)
+    assert StageCost.from_json(json.loads(json.dumps(c.to_json()))) == c and c.one_token_s == 0.01
+
+
+def test_a_disturbed_pipeline_timing_is_timed_again():
+    """measure_costs times again what ``disagreeing`` finds, once, and says what still disagrees."""
+    from pipespec_mpi.auto.measure import measure_costs
+
+    class Timings:  # what each pipeline's target takes, the first time and after
+        def __init__(self, first: dict, later: dict) -> None:
+            self.first, self.later, self.calls = first, later, []
+
+        def costs(self, p, threads, context, token_counts, repeats):
+            ms = (self.later if p in self.calls else self.first)[p]
+            self.calls.append(p)
+            return [StageCost(((1, 0.001),))] * (len(p) - 1) + [StageCost(((1, ms / 1e3),))]
+
+    ps = [(3,), (0, 3), (1, 3), (2, 3)]
+    calm = {(3,): 34.0, (0, 3): 38.0, (1, 3): 50.0, (2, 3): 57.0}
+    w = Timings({**calm, (1, 3): 600.0}, calm)
+    got, check = measure_costs(w, ps, {1: 2, 2: 1}, [1, 2], (1,), 3, factor=1.5)
+    assert check.remeasured == ((1, 3),) and check.still_off == () and w.calls.count((1, 3)) == 2
+    assert got[(1, 3)][-1].one_token_s == 0.050
+    w = Timings({**calm, (1, 3): 600.0}, {**calm, (1, 3): 700.0})
+    _, check = measure_costs(w, ps, {1: 2, 2: 1}, [1, 2], (1,), 3, factor=1.5)
+    assert check.still_off == ((1, 3),) and check.to_json() == {"remeasured": [[1, 3]], "still_off": [[1, 3]]}
