@@ -93,10 +93,11 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     """``hierarchy=auto``: plan (plan/job.py), run the plan on the ranks it uses; every rank
     leaves together, with the job's exit code."""
     from pipespec_mpi.plan import job as plan_job
+    from pipespec_mpi.plan.record import write_plan
 
     job = plan_job.resolve(cfg, world)
     if world.rank == 0:
-        plan_job.write_plan(run_dir, job.record)
+        write_plan(run_dir, job.record)
     code = 0
     if job.world is not None:
         check_world(job.world.size, job.cfg.hierarchy.n_stages)

@@ -207,19 +207,34 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     return Calibration(measured, max_k, time.perf_counter() - t0, cached, files, skipped, phases, spot, check)
 
 
-def summary(cal: Calibration) -> dict:
+@dataclass(frozen=True)
+class CalibrationSummary:
+    """How the measurements were had (auto/calibrate.py ``summary``)."""
+
+    calibration_s: float
+    calibration_phases_s: dict[str, float]
+    from_cache: list[str]  # costs, agreement: which came from the cache
+    cache_files: dict[str, str]
+    spot_check: dict | None  # SpotCheck.to_json: the cached target step against one timed now
+    not_measured: list[str]  # pipelines with a drafter slower than the target
+    stages: list[str]
+    rates: dict[str, float]  # "a -> b": agreement
+    cost_check: dict | None = None  # CostCheck.to_json: timings of the target timed again
+
+
+def summary(cal: Calibration) -> CalibrationSummary:
     """The measurements as the run's plan.json keeps them."""
-    return {
-        "calibration_s": round(cal.seconds, 2),
-        "calibration_phases_s": {k: round(v, 2) for k, v in (cal.phases or {}).items()},
-        "from_cache": list(cal.cached),
-        "cache_files": dict(cal.cache_files),
-        "spot_check": cal.spot.to_json() if cal.spot else None,
-        "cost_check": cal.check.to_json() if cal.check else None,
-        "not_measured": [" -> ".join(p) for p in cal.not_measured],
-        "stages": list(cal.measured.stages),
-        "rates": {f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},
-    }
+    return CalibrationSummary(
+        calibration_s=round(cal.seconds, 2),
+        calibration_phases_s={k: round(v, 2) for k, v in (cal.phases or {}).items()},
+        from_cache=list(cal.cached),
+        cache_files=dict(cal.cache_files),
+        spot_check=cal.spot.to_json() if cal.spot else None,
+        not_measured=[" -> ".join(p) for p in cal.not_measured],
+        stages=list(cal.measured.stages),
+        rates={f"{a} -> {b}": r for a, b, r in _pair_rates(cal.measured)},
+        cost_check=cal.check.to_json() if cal.check else None,
+    )
 
 
 def _pair_rates(m: Measured):

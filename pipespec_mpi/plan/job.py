@@ -10,7 +10,6 @@ hold no model and sleep until the job ends.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -18,58 +17,31 @@ from pathlib import Path
 
 from pipespec_mpi.auto.calibrate import Calibration, Node, calibrate, calibration_prompts, summary
 from pipespec_mpi.auto.measure import within
-from pipespec_mpi.auto.measured import Measured
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
-from pipespec_mpi.config import AppConfig, DecodeConfig
+from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.plan.options import AUTO_GRID, Plan
 from pipespec_mpi.plan.realize import realize
+from pipespec_mpi.plan.record import PlanRecord, SearchInputs, read_plan, write_plan
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
 from pipespec_mpi.records import SUMMARY, find_entry, group_key, read_summary
 
 log = logging.getLogger("pipespec_mpi")
-PLAN = "plan.json"
 
 
 @dataclass(frozen=True)
 class AutoJob:
     cfg: AppConfig  # the plan's config (its stages, method, window)
     world: World | None  # the ranks that run it; None on a spare rank
-    record: dict  # what plan.json holds
+    record: PlanRecord  # what plan.json holds
 
 
-@dataclass(frozen=True)
-class SearchInputs:
-    """Everything a plan from measurements is computed from; plan.json keeps it (``inputs``), so
-    that ``pipespec-plan RUN_DIR`` plans again from exactly what the job planned from."""
-
-    measured: Measured
-    decode: DecodeConfig
-    max_stages: int
-    margin: float
-    batch_sizes: tuple[int, ...]
-
-    def plan(self) -> Plan:
-        grid = replace(AUTO_GRID, batch_sizes=self.batch_sizes)
-        return search(MeasuredSource(self.measured), self.decode, grid, self.max_stages, self.margin)
-
-    def to_json(self) -> dict:
-        return {
-            "measured": self.measured.to_json(),
-            "decode": dataclasses.asdict(self.decode),
-            "max_stages": self.max_stages,
-            "margin": self.margin,
-            "batch_sizes": list(self.batch_sizes),
-        }
-
-    @classmethod
-    def from_json(cls, node: dict) -> SearchInputs:
-        measured, decode = Measured.from_json(node["measured"]), DecodeConfig(**node["decode"])
-        return cls(
-            measured, decode, int(node["max_stages"]), float(node["margin"]), tuple(node["batch_sizes"])
-        )
+def plan_of(inputs: SearchInputs) -> Plan:
+    """The plan from measurements: the one search, on the grid ``hierarchy=auto`` searches."""
+    grid = replace(AUTO_GRID, batch_sizes=inputs.batch_sizes)
+    return search(MeasuredSource(inputs.measured), inputs.decode, grid, inputs.max_stages, inputs.margin)
 
 
 def search_inputs(cfg: AppConfig, cal: Calibration) -> SearchInputs:
@@ -81,20 +53,17 @@ def search_inputs(cfg: AppConfig, cal: Calibration) -> SearchInputs:
 def choose(cfg: AppConfig, cal: Calibration) -> Plan:
     """The plan from this node's measurements: what ``hierarchy=auto`` runs and
     ``pipespec-plan --measure`` prints (the same call, so the same choice)."""
-    return search_inputs(cfg, cal).plan()
+    return plan_of(search_inputs(cfg, cal))
 
 
 def replan(run_dir: Path) -> Plan | None:
     """The plan again from what a ``hierarchy=auto`` run planned from (its plan.json), or None
     when the run is not one."""
-    path = Path(run_dir) / PLAN
-    if not path.is_file():
-        return None
-    node = json.loads(path.read_text()).get("inputs")
-    return SearchInputs.from_json(node).plan() if node else None
+    record = read_plan(run_dir)
+    return plan_of(record.inputs) if record is not None and record.inputs is not None else None
 
 
-def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
+def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, PlanRecord]:
     from pipespec_mpi.models.loader import load_tokenizer
 
     node = Node.here(cfg.auto.replicas, world.size, world.local_size)
@@ -111,16 +80,14 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, dict]:
         f"; spot check of the cached costs: {cal.spot.to_json()}" if cal.spot else "",
         table(plan),
     )
-    record = {
-        **plan.to_json(),
-        **summary(cal),
-        "candidates": cfg.hierarchy.name,
-        "runs": {"hierarchy": chosen.hierarchy.name, "method": chosen.method,
-                 "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window,
-                 "max_run_ahead": chosen.decode.max_run_ahead},
-        "machine": {"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
-        "inputs": search_inputs(cfg, cal).to_json(),
-    }  # fmt: skip
+    record = PlanRecord(
+        plan=plan, calibration=summary(cal), candidates=cfg.hierarchy.name,
+        runs={"hierarchy": chosen.hierarchy.name, "method": chosen.method,
+              "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window,
+              "max_run_ahead": chosen.decode.max_run_ahead},
+        machine={"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
+        inputs=search_inputs(cfg, cal),
+    )  # fmt: skip
     return chosen, record
 
 
@@ -148,43 +115,41 @@ def resolve(cfg: AppConfig, world: World) -> AutoJob:
     return AutoJob(chosen, sub_world(sub), record)
 
 
-def write_plan(run_dir: Path, record: dict) -> None:
-    (run_dir / PLAN).write_text(json.dumps(record, indent=1, default=str) + "\n")
-
-
-def add_measured(run_dir: Path, record: dict, off_factor: float) -> None:
-    """After the run (rank 0): the measured ms/token beside the prediction. A run further from
-    its prediction than ``off_factor`` (auto.off_factor) either way says so, in plan.json and
-    the log, and drops the cached costs it was planned from (the agreement stays: greedy paths
-    do not depend on the node's load), so that the next job measures them again."""
+def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRecord:
+    """After the run (rank 0): the measured ms/token beside the prediction, written to plan.json.
+    A run further from its prediction than ``off_factor`` (auto.off_factor) either way says so,
+    in plan.json and the log, and drops the cached costs it was planned from (the agreement
+    stays: greedy paths do not depend on the node's load), so that the next job measures them
+    again."""
     summary = read_summary(run_dir / SUMMARY)
-    record = {**record, "measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}
-    chosen = record["chosen"]
-    batch = chosen.get("batch_size", 1)
-    key = group_key(chosen["method"], batch)
-    mine, ar = find_entry(summary, chosen["method"], batch), find_entry(summary, "ar", batch)
+    chosen = record.plan.chosen
+    kw: dict = {"measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}
+    b = chosen.batch_size
+    mine, ar = find_entry(summary, chosen.method, b), find_entry(summary, "ar", b)
     got = mine.ms_per_token if mine else None
     if got:
-        record["measured_vs_predicted"] = round(got / chosen["ms_per_token"], 3)
+        kw["measured_vs_predicted"] = round(got / chosen.ms_per_token, 3)
         if ar and ar.ms_per_token:
-            record["measured_speedup"] = round(ar.ms_per_token / got, 3)
+            kw["measured_speedup"] = round(ar.ms_per_token / got, 3)
         print(
-            f"[pipespec_mpi] auto: {key} measured {got:.2f} ms/token, predicted "
-            f"{chosen['ms_per_token']:.2f} (AR predicted {record['ar']['ms_per_token']:.2f})",
+            f"[pipespec_mpi] auto: {group_key(chosen.method, b)} measured {got:.2f} ms/token, "
+            f"predicted {chosen.ms_per_token:.2f} (AR predicted {record.plan.ar.ms_per_token:.2f})",
             flush=True,
         )
-        if not within(got, chosen["ms_per_token"], off_factor):
-            costs = record.get("cache_files", {}).get("costs")
+        if not within(got, chosen.ms_per_token, off_factor):
+            costs = record.calibration.cache_files.get("costs")
             if costs:
                 Path(costs).unlink(missing_ok=True)
-            record["prediction_off"] = (
-                f"measured {got:.2f} ms/token, {got / chosen['ms_per_token']:.2f}x the prediction (more than "
+            kw["prediction_off"] = (
+                f"measured {got:.2f} ms/token, {got / chosen.ms_per_token:.2f}x the prediction (more than "
                 f"{off_factor:g}x apart): the cached costs it was planned from are dropped ({costs}); "
                 "the next job measures them again"
             )
-            log.warning("auto: %s", record["prediction_off"])
-            print(f"[pipespec_mpi] auto: {record['prediction_off']}", flush=True)
+            log.warning("auto: %s", kw["prediction_off"])
+            print(f"[pipespec_mpi] auto: {kw['prediction_off']}", flush=True)
+    record = dataclasses.replace(record, **kw)
     write_plan(run_dir, record)
+    return record
 
 
 def sleep_at_barrier(comm) -> None:

@@ -221,7 +221,7 @@ def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, mo
     from pipespec_mpi.auto import calibrate as calibrate_module
     from pipespec_mpi.auto.calibrate import Calibration
     from pipespec_mpi.plan import cli, job
-    from pipespec_mpi.plan.options import Option
+    from pipespec_mpi.plan.record import read_plan, write_plan
     from pipespec_mpi.plan.table import option_cells
 
     base = ["hierarchy=tiny2", "dataset=synthetic", f"auto.cache_dir={tmp_path / 'cache'}"]
@@ -233,8 +233,9 @@ def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, mo
     _, record = job.choose_on_rank0(cfg, SimpleNamespace(size=2, local_size=2))
     run = tmp_path / "run"
     run.mkdir()
-    job.write_plan(run, record)
-    chosen = Option(**{**record["chosen"], "pipeline": tuple(record["chosen"]["pipeline"])})
+    write_plan(run, record)
+    chosen = read_plan(run).plan.chosen  # what plan.json says, read back as it was written
+    assert chosen == record.plan.chosen
     assert chosen.method in ("sd", "pipespec")
     cells = option_cells(chosen, chosen)
     assert cli.main([str(run)]) == 0

@@ -10,9 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipespec_mpi.auto.calibrate import Node, SpotCheck, calibrate, calibration_prompts, within
+from pipespec_mpi.auto.calibrate import CalibrationSummary, Node, SpotCheck, calibrate, calibration_prompts
+from pipespec_mpi.auto.measure import within
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.plan import job
+from pipespec_mpi.plan.options import Option, Plan
+from pipespec_mpi.plan.record import PLAN, PlanRecord, read_plan
 
 QUICK = ["hierarchy=tiny2", "dataset=synthetic", "hierarchy.choose=true", "auto.calibration_prompts=1",
          "auto.calibration_tokens=8", "auto.repeats=2", "auto.token_counts=[1,2]",
@@ -67,11 +70,16 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
         "ar": SimpleNamespace(method="ar", batch_size=1, ms_per_token=60.0),
     }
     monkeypatch.setattr(job, "read_summary", lambda path: summary)
-    record = {"chosen": {"method": "pipespec", "ms_per_token": 25.0, "batch_size": 1},
-              "ar": {"ms_per_token": 50.0},
-              "cache_files": {"costs": str(costs), "agreement": str(agreement)}}  # fmt: skip
-    job.add_measured(tmp_path, record, off_factor=2.0)
-    plan = json.loads((tmp_path / job.PLAN).read_text())
+    chosen = Option("pipespec", ("d", "t"), 0, 25.0, 2.0)
+    ar = Option("ar", ("t",), 0, 50.0, 1.0)
+    cal = CalibrationSummary(calibration_s=1.0, calibration_phases_s={}, from_cache=["costs", "agreement"],
+                             cache_files={"costs": str(costs), "agreement": str(agreement)}, spot_check=None,
+                             not_measured=[], stages=["d", "t"], rates={"d -> t": 0.8})  # fmt: skip
+    plan = Plan(chosen, chosen, ar, 0.05, "predicted 2.00x AR", (ar, chosen))
+    record = PlanRecord(plan, cal, "h", {}, {}, None)
+    after = job.add_measured(tmp_path, record, off_factor=2.0)
+    assert read_plan(tmp_path) == after and after.plan == plan  # one writer, one reader
+    plan = json.loads((tmp_path / PLAN).read_text())
     assert plan["measured_vs_predicted"] == pytest.approx(measured_ms / 25.0, abs=1e-3)
     assert ("prediction_off" in plan) == off
     assert costs.exists() != off  # dropped only when the run was far off

@@ -1,0 +1,110 @@
+"""plan.json, typed: what a ``hierarchy=auto`` job planned, from what, and how the run went.
+
+One writer (``write_plan``) and one reader (``read_plan``); the job, ``pipespec-plan RUN_DIR``
+and the tests go through them. The file's layout is flat (the plan's fields, the calibration's,
+then what the job adds), as it was before it had a type, so older files still read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pipespec_mpi.auto.calibrate import CalibrationSummary
+from pipespec_mpi.auto.measured import Measured
+from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.plan.options import Option, Plan
+
+PLAN = "plan.json"
+
+
+@dataclass(frozen=True)
+class SearchInputs:
+    """Everything a plan from measurements is computed from; plan.json keeps it (``inputs``), so
+    that ``pipespec-plan RUN_DIR`` plans again from exactly what the job planned from."""
+
+    measured: Measured
+    decode: DecodeConfig
+    max_stages: int
+    margin: float
+    batch_sizes: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "measured": self.measured.to_json(),
+            "decode": asdict(self.decode),
+            "max_stages": self.max_stages,
+            "margin": self.margin,
+            "batch_sizes": list(self.batch_sizes),
+        }
+
+    @classmethod
+    def from_json(cls, node: dict) -> SearchInputs:
+        measured, decode = Measured.from_json(node["measured"]), DecodeConfig(**node["decode"])
+        return cls(
+            measured, decode, int(node["max_stages"]), float(node["margin"]), tuple(node["batch_sizes"])
+        )
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    plan: Plan
+    calibration: CalibrationSummary
+    candidates: str  # the hierarchy whose stages were the candidates
+    runs: dict[str, Any]  # what the job runs: hierarchy, method, lookahead, sd_window, max_run_ahead
+    machine: dict[str, Any]  # cores, ranks_on_node, bound
+    inputs: SearchInputs | None
+    # after the run (rank 0, add_measured): ms/token per summary.json entry, the chosen one over
+    # its prediction, its speedup over AR, and a line when it was further off than auto.off_factor
+    measured_ms_per_token: dict[str, float] = field(default_factory=dict)
+    measured_vs_predicted: float | None = None
+    measured_speedup: float | None = None
+    prediction_off: str | None = None
+
+    def to_json(self) -> dict:
+        out = {**self.plan.to_json(), **asdict(self.calibration), "candidates": self.candidates,
+               "runs": self.runs, "machine": self.machine,
+               "inputs": self.inputs.to_json() if self.inputs else None}  # fmt: skip
+        if self.measured_ms_per_token:
+            out["measured_ms_per_token"] = self.measured_ms_per_token
+        for k in ("measured_vs_predicted", "measured_speedup", "prediction_off"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+    @classmethod
+    def from_json(cls, node: dict) -> PlanRecord:
+        def option(d: dict | None) -> Option | None:
+            return None if d is None else Option(**{**d, "pipeline": tuple(d["pipeline"])})
+
+        plan = Plan(
+            chosen=option(node["chosen"]),
+            best_speculative=option(node.get("best_speculative")),
+            ar=option(node["ar"]),
+            margin=float(node["margin"]),
+            reason=node["reason"],
+            options=tuple(option(o) for o in node.get("options", ())),
+            threads={int(k): v for k, v in node.get("threads", {}).items()},
+        )
+        cal = {f.name: node.get(f.name) for f in fields(CalibrationSummary)}
+        inputs = node.get("inputs")
+        return cls(
+            plan=plan, calibration=CalibrationSummary(**cal), candidates=node.get("candidates", ""),
+            runs=node.get("runs", {}), machine=node.get("machine", {}),
+            inputs=SearchInputs.from_json(inputs) if inputs else None,
+            measured_ms_per_token=node.get("measured_ms_per_token", {}),
+            measured_vs_predicted=node.get("measured_vs_predicted"),
+            measured_speedup=node.get("measured_speedup"), prediction_off=node.get("prediction_off"),
+        )  # fmt: skip
+
+
+def write_plan(run_dir: Path, record: PlanRecord) -> None:
+    (Path(run_dir) / PLAN).write_text(json.dumps(record.to_json(), indent=1, default=str) + "\n")
+
+
+def read_plan(run_dir: Path) -> PlanRecord | None:
+    """The run's plan.json, or None where the run is not a ``hierarchy=auto`` one."""
+    path = Path(run_dir) / PLAN
+    return PlanRecord.from_json(json.loads(path.read_text())) if path.is_file() else None
