@@ -261,6 +261,12 @@ def test_a_target_timing_that_disagrees_with_its_others_is_found():
     assert disagreeing(costs(34.0, {**pairs, (1, 3): 600.0}), 1.5) == [(1, 3)]  # a busy process
     assert disagreeing(costs(400.0, pairs), 1.5) == [(3,)]  # AR timed beside one: 8x a pipeline's
     assert disagreeing(costs(34.0, {(0, 3): 38.0, (1, 3): 600.0}), 1.5) == []  # two: no median
+    # two busy neighbours slow the target more than one idle lookup stage and one busy copy: a
+    # pipeline is compared only with those that have as many busy stages
+    three = {(0, 1, 3): 45.0, (0, 2, 3): 50.0, (0, 1, 2, 3): 52.0, (1, 2, 3): 120.0}
+    free = frozenset({0})  # stage 0 is a lookup stage
+    assert disagreeing(costs(34.0, {**pairs, **three}), 1.5, free) == []
+    assert disagreeing(costs(34.0, {**pairs, **three}), 1.5) == [(1, 2, 3)]  # all as busy: flagged
     # a StageCost survives its JSON (the cache) unchanged
     c = StageCost(((1, 0.01), (16, 0.02)), prefill_s=0.3, context=64, per_sequence_s=0.001)
     assert StageCost.from_json(json.loads(json.dumps(c.to_json()))) == c and c.one_token_s == 0.01
@@ -271,6 +277,8 @@ def test_a_disturbed_pipeline_timing_is_timed_again():
     from pipespec_mpi.auto.measure import measure_costs
 
     class Timings:  # what each pipeline's target takes, the first time and after
+        hier = compose_config(["hierarchy=tiny4"]).hierarchy  # four model stages
+
         def __init__(self, first: dict, later: dict) -> None:
             self.first, self.later, self.calls = first, later, []
 
