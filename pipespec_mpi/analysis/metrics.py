@@ -287,15 +287,6 @@ def _cost(cores: int, gpus: int, tokens: int, wall: float) -> dict:
     return out
 
 
-def drafter_summary(counts: Iterable[dict]) -> dict[str, dict[str, float]]:
-    """A model-free drafter's counters (``DrafterCounts``, one per record) summed per source, with
-    the mean accepted tokens per proposal; {} for a drafter that keeps none."""
-    out: dict[str, dict[str, float]] = {}
-    for c in counts:
-        _add_drafter(out, c)
-    return _drafter_rows(out)
-
-
 def _add_drafter(out: dict[str, dict[str, float]], c: dict) -> None:
     """One record's drafter counters into the running sums ``out`` (source -> counter -> n)."""
     for what in ("proposals", "proposed", "accepted"):
@@ -305,7 +296,8 @@ def _add_drafter(out: dict[str, dict[str, float]], c: dict) -> None:
 
 
 def _drafter_rows(sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """``drafter_summary`` of the sums ``_add_drafter`` made: with the means, sorted by source."""
+    """A model-free drafter's counters summed per source (``_add_drafter``, one record at a time),
+    with the mean accepted tokens per proposal, sorted by source; {} for a drafter that keeps none."""
     return {
         source: {**row, "mean_accepted": row["accepted"] / row["proposals"] if row["proposals"] else 0.0}
         for source, row in sorted(sums.items())

@@ -69,14 +69,6 @@ class StageCost:
     def one_token_s(self) -> float:
         return next(s for n, s in self.points if n == 1)
 
-    def scaled(self, factor: float) -> StageCost:
-        return dataclasses.replace(
-            self,
-            points=tuple((n, s * factor) for n, s in self.points),
-            prefill_s=self.prefill_s * factor,
-            per_sequence_s=self.per_sequence_s * factor,
-        )
-
     def to_json(self) -> dict:
         return {"points": [list(p) for p in self.points], "prefill_s": self.prefill_s,
                 "context": self.context, "per_sequence_s": self.per_sequence_s}  # fmt: skip

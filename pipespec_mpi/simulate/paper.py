@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.simulate.engine import SimResult, mean_ms_per_token, simulate
+from pipespec_mpi.simulate.engine import mean_ms_per_token, simulate
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
 
 PAPER_OVERHEAD_S = 0.001
@@ -110,12 +110,6 @@ def paper_rates(models: Sequence[str], rates: Mapping[tuple[str, str], float]) -
             raise KeyError(f"no acceptance rate for the pair {a} -> {b}")
         out.append(rates[(a, b)])
     return tuple(out)
-
-
-def committed_per_target_forward(r: SimResult) -> float:
-    """The authors' "accepted tokens" metric: tokens the last stage committed per forward."""
-    last = r.stages[-1]
-    return r.n_tokens / last.forward_calls if last.forward_calls else float("nan")
 
 
 def fit_rate(metric: Callable[[float], float], target: float, lo: float = 0.01, hi: float = 0.999) -> float:

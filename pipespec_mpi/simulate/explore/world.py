@@ -197,9 +197,6 @@ class World:
             weights.append(w)
         return rng.choices(live, weights)[0]
 
-    def _fingerprint(self) -> tuple:
-        return tuple((p.phase, p.index) for p in self.slot_procs)
-
     def _fair_rounds(self, live: list[int]) -> bool:
         """Every stage with full information: some progress within a few rounds, or a stall."""
         self.fair = True
