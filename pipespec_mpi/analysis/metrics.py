@@ -354,7 +354,7 @@ def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[s
             method=m,
             sequence_ms_per_token=s.sequence_ms_per_token,
         )
-        if ar in summary:
+        if ar in summary and s.ms_per_token > 0:  # a group whose records made no token has none
             row.speedup = summary[ar].ms_per_token / s.ms_per_token
             ratios = [p["ar"] / p[m] for p in per_prompt[b].values() if "ar" in p and m in p and p[m] > 0]
             if ratios:

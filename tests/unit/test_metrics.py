@@ -90,6 +90,10 @@ def test_summary_and_benchmark_speedups():
     assert b["pipespec"].speedup_per_prompt.median == pytest.approx(3.0)
     assert b["pipespec"].speedup_per_prompt.min == pytest.approx(2.0)
     assert b["pipespec"].speedup_per_prompt.max == pytest.approx(4.0)
+    # a method whose records made no token (each hit EOS at once) has no speedup, and no error
+    empty = [replace(r, n_new_tokens=0, output_ids=[], ms_per_token=0.0) for r in recs[2:]]
+    b = benchmark_table(recs[:2] + empty, ["ar", "pipespec"])
+    assert b["pipespec"].n_tokens == 0 and b["pipespec"].speedup is None
 
 
 def test_energy_integration_and_per_token_accounting():
