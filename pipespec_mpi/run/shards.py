@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipespec_mpi.analysis import table
+from pipespec_mpi.analysis.table import Column, cell
 from pipespec_mpi.config import AppConfig, load_run_config
 from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.records import ERRORS, RESULTS, Record, iter_records, read_errors, write_errors
@@ -200,6 +202,31 @@ def merge(array_dir: Path) -> int:
     return len(seen)
 
 
+STATUS_COLUMNS = (
+    Column("shard"), Column("done", True), Column("expected", True), Column("state"),
+    Column("bad rows", True), Column("tokens/s", True), Column("ETA min", True),
+)  # fmt: skip
+
+
+def format_status(states: Sequence[ShardState]) -> str:
+    """One row per shard, then the array's totals and what is missing (``shards status``)."""
+    rows = [
+        [f"shard-{s.index}", str(s.done), str(s.expected),
+         "finished" if s.finished else "not started" if not s.started else "unfinished", str(s.errors),
+         f"{s.tokens_per_s:.1f}" if s.span_s else "-", cell(s.eta_s and s.eta_s / 60, ".1f")]
+        for s in states
+    ]  # fmt: skip
+    done, expected = sum(s.done for s in states), sum(s.expected for s in states)
+    running = [s for s in states if s.started and not s.finished and s.eta_s is not None]
+    eta = max((s.eta_s for s in running), default=None)  # the shards run side by side
+    missing = [s.index for s in states if not s.finished]
+    notes = [f"array: {done}/{expected} jobs done, {sum(s.errors for s in states)} bad rows, "
+             f"{sum(s.tokens for s in states)} tokens"
+             + (f", ETA {eta / 60:.1f} min for the running shards" if eta else ""),
+             f"missing: {array_spec(missing) or 'none'}"]  # fmt: skip
+    return table.text(STATUS_COLUMNS, rows, notes)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pipespec-shards", description=__doc__.split("\n")[0])
     ap.add_argument("action", choices=["status", "resubmit", "merge"])
@@ -211,19 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, states = status(a.array_dir)
         missing = [s.index for s in states if not s.finished]
         if a.action == "status":
-            for s in states:
-                what = "finished" if s.finished else ("not started" if not s.started else "unfinished")
-                eta = s.eta_s
-                rate = f", {s.tokens_per_s:.1f} tokens/s" if s.span_s else ""
-                print(f"shard-{s.index}: {s.done}/{s.expected} {what}, {s.errors} bad rows{rate}"
-                      + (f", ETA {eta / 60:.1f} min" if eta else ""))  # fmt: skip
-            done, expected = sum(s.done for s in states), sum(s.expected for s in states)
-            running = [s for s in states if s.started and not s.finished and s.eta_s is not None]
-            eta = max((s.eta_s for s in running), default=None)  # the shards run side by side
-            print(f"array: {done}/{expected} jobs done, {sum(s.errors for s in states)} bad rows, "
-                  f"{sum(s.tokens for s in states)} tokens"
-                  + (f", ETA {eta / 60:.1f} min for the running shards" if eta else ""))  # fmt: skip
-            print(f"missing: {array_spec(missing) or 'none'}")
+            print(format_status(states))
             return 0 if not missing else 3
         if a.action == "resubmit":
             if not missing:

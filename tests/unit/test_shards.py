@@ -46,3 +46,20 @@ def test_the_array_script_a_resubmission_runs_exists():
     from pipespec_mpi.run.shards import ARRAY_SCRIPT
 
     assert ARRAY_SCRIPT.is_file(), ARRAY_SCRIPT
+
+
+def test_status_table_rows_and_totals():
+    from pipespec_mpi.run.shards import ShardState, format_status
+
+    states = [ShardState(0, 4, 4, True, errors=1, tokens=400, span_s=10.0),
+              ShardState(1, 4, 2, True, tokens=100, span_s=20.0), ShardState(2, 4, 0, False)]  # fmt: skip
+    lines = format_status(states).splitlines()
+    assert lines[0].split() == ["shard", "done", "expected", "state", "bad", "rows", "tokens/s", "ETA", "min"]
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith("shard-")}
+    assert rows["shard-0"] == ["shard-0", "4", "4", "finished", "1", "40.0", "0.0"]
+    assert rows["shard-1"] == ["shard-1", "2", "4", "unfinished", "0", "5.0", "0.3"]  # 2 more at 10 s each
+    assert rows["shard-2"] == ["shard-2", "0", "4", "not", "started", "0", "-", "-"]
+    assert (
+        "array: 6/12 jobs done, 1 bad rows, 500 tokens, ETA 0.3 min" in lines[-2]
+        and lines[-1] == "missing: 1-2"
+    )
