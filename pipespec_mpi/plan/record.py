@@ -62,6 +62,7 @@ class PlanRecord:
     measured_vs_predicted: float | None = None
     measured_speedup: float | None = None
     prediction_off: str | None = None
+    ar_measured_vs_predicted: float | None = None  # AR at batch 1, where the run decoded it
 
     def to_json(self) -> dict:
         out = {**self.plan.to_json(), **asdict(self.calibration), "candidates": self.candidates,
@@ -69,7 +70,7 @@ class PlanRecord:
                "inputs": self.inputs.to_json() if self.inputs else None}  # fmt: skip
         if self.measured_ms_per_token:
             out["measured_ms_per_token"] = self.measured_ms_per_token
-        for k in ("measured_vs_predicted", "measured_speedup", "prediction_off"):
+        for k in ("measured_vs_predicted", "measured_speedup", "prediction_off", "ar_measured_vs_predicted"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -97,6 +98,7 @@ class PlanRecord:
             measured_ms_per_token=node.get("measured_ms_per_token", {}),
             measured_vs_predicted=node.get("measured_vs_predicted"),
             measured_speedup=node.get("measured_speedup"), prediction_off=node.get("prediction_off"),
+            ar_measured_vs_predicted=node.get("ar_measured_vs_predicted"),
         )  # fmt: skip
 
 

@@ -57,9 +57,14 @@ def test_a_stale_cached_cost_is_measured_again(tmp_path):
     assert dict(target_alone[0]["points"])[1] < again.spot.cached_s / 100  # re-cached as measured now
 
 
-@pytest.mark.parametrize("measured_ms, off", [(30.0, False), (49.0, False), (60.0, True), (10.0, True)])
+# (chosen measured, AR measured, off): AR predicted 50 ms, PipeSpec 25 ms. The last case is the
+# busy-cache job: its choice within 2x of its prediction, AR 6x faster than predicted.
+@pytest.mark.parametrize(
+    "measured_ms, ar_ms, off",
+    [(30.0, 60.0, False), (49.0, 60.0, False), (60.0, 60.0, True), (10.0, 60.0, True), (30.0, 8.0, True)],
+)
 def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
-    tmp_path, monkeypatch, measured_ms, off
+    tmp_path, monkeypatch, measured_ms, ar_ms, off
 ):
     costs = tmp_path / "costs.json"
     costs.write_text("{}")
@@ -67,7 +72,7 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
     agreement.write_text("{}")
     summary = {
         "pipespec": SimpleNamespace(method="pipespec", batch_size=1, ms_per_token=measured_ms),
-        "ar": SimpleNamespace(method="ar", batch_size=1, ms_per_token=60.0),
+        "ar": SimpleNamespace(method="ar", batch_size=1, ms_per_token=ar_ms),
     }
     monkeypatch.setattr(job, "read_summary", lambda path: summary)
     chosen = Option("pipespec", ("d", "t"), 0, 25.0, 2.0)
@@ -82,5 +87,7 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
     plan = json.loads((tmp_path / PLAN).read_text())
     assert plan["measured_vs_predicted"] == pytest.approx(measured_ms / 25.0, abs=1e-3)
     assert ("prediction_off" in plan) == off
+    assert plan["ar_measured_vs_predicted"] == pytest.approx(ar_ms / 50.0, abs=1e-3)
+    assert ("ar measured" in plan.get("prediction_off", "")) == (ar_ms == 8.0)
     assert costs.exists() != off  # dropped only when the run was far off
     assert agreement.exists()  # greedy paths do not depend on the node's load
