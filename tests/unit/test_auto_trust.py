@@ -91,3 +91,27 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
     assert ("ar measured" in plan.get("prediction_off", "")) == (ar_ms == 8.0)
     assert costs.exists() != off  # dropped only when the run was far off
     assert agreement.exists()  # greedy paths do not depend on the node's load
+
+
+def test_costs_whose_timings_still_disagree_are_used_but_not_cached(tmp_path, monkeypatch):
+    """A node disturbed throughout the measurement: the target's timings disagreed, were timed
+    again and disagreed again. The job plans with them (they are all it has), says so in
+    plan.json's cost_check, and leaves nothing in the cache for the next job to trust."""
+    from pipespec_mpi.auto import calibrate as calibrate_module
+    from pipespec_mpi.auto.measure import CostCheck, measure_costs
+
+    def disturbed(*args, **kw):
+        got, _ = measure_costs(*args, **kw)
+        alone = next(p for p in got if len(p) == 1)
+        return got, CostCheck((alone,), (alone,))
+
+    monkeypatch.setattr(calibrate_module, "measure_costs", disturbed)
+    cfg = compose_config([*QUICK, f"auto.cache_dir={tmp_path}"])
+    node = Node(cores=2, ranks_on_node=3, ranks_per_replica=3, bound=False)
+    from pipespec_mpi.models.loader import load_tokenizer
+
+    tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
+    cal = calibrate(cfg, calibration_prompts(cfg, tok), tok.eos_token_id, node)
+    assert cal.check is not None and cal.check.still_off and cal.measured.costs
+    assert not Path(cal.cache_files["costs"]).exists() and Path(cal.cache_files["agreement"]).exists()
+    assert calibrate_module.summary(cal).cost_check["still_off"] == [[cfg.hierarchy.n_stages - 1]]
