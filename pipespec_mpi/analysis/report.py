@@ -200,40 +200,11 @@ def _cells(row: dict) -> list[str]:
     ]
 
 
-COLUMNS = [
-    Column(
-        t,
-        right=t
-        in {
-            "window",
-            "batch",
-            "prompts",
-            "tokens",
-            "ms/token",
-            "tokens/s",
-            "speedup",
-            "tokens/target forward",
-        },
-    )  # fmt: skip
-    for t in (
-        "run",
-        "method",
-        "models",
-        "window",
-        "batch",
-        "prompts",
-        "tokens",
-        "ms/token",
-        "tokens/s",
-        "speedup",
-        "accepted/verification",
-        "proposals/forward",
-        "tokens/target forward",
-        "drafter accepted/proposal",
-        "policy",
-        "waits/cut/held",
-    )  # fmt: skip
-]
+TITLES = ("run", "method", "models", "window", "batch", "prompts", "tokens", "ms/token", "tokens/s",
+          "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
+          "drafter accepted/proposal", "policy", "waits/cut/held")  # fmt: skip
+NUMBERS = {"window", "batch", "prompts", "tokens", "ms/token", "tokens/s", "speedup", "tokens/target forward"}
+COLUMNS = [Column(t, right=t in NUMBERS) for t in TITLES]
 
 
 def _footnotes(rows: Sequence[dict]) -> list[str]:
