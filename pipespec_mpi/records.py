@@ -100,8 +100,9 @@ class Record:
     stages: list[StageStats]
 
     def to_json(self) -> dict:
-        """The record as a JSON object (what one line of results.jsonl holds)."""
-        return dataclasses.asdict(self)
+        """The record as a JSON object (what one line of results.jsonl holds): equal to
+        ``dataclasses.asdict(self)``, without its deep copy (``_plain``)."""
+        return _plain(self)
 
     @classmethod
     def from_json(cls, obj: Any) -> Record:
@@ -110,6 +111,18 @@ class Record:
         if isinstance(obj, dict) and "window" not in obj and "lookahead" in obj:
             obj = {**obj, "window": obj["lookahead"]}
         return _load(cls, obj, "record", {"stages": _stage_list})
+
+
+def _plain(v: Any) -> Any:
+    """A dataclass as nested dicts, sharing every other value instead of copying it: what
+    ``dataclasses.asdict`` gives, for ``json.dumps``, which reads it and keeps nothing. (asdict
+    deep-copies every list: a SmolLM2 record's stage timelines made it 7 of the 7.3 ms per record
+    that rank 0's finalize took.)"""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
+        return [_plain(x) for x in v]
+    return v
 
 
 def _stage_list(value: Any, where: str) -> list[StageStats]:

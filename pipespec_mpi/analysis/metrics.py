@@ -263,14 +263,44 @@ def _add(groups: dict[str, _Group], r: Record) -> None:
     groups[key].add(r)
 
 
+class Totals:
+    """A run's aggregates in one pass over its records, keeping none of them (``_Group``):
+    summary.json's entries, and with ``per_prompt`` benchmark.json's (each record's ms/token is
+    kept for the per-prompt speedups). ``add`` every record (warm-ups are skipped here), then
+    ``summary()`` / ``benchmark()``. Finalize feeds one while it writes the output file, so that
+    results.jsonl is read once for all three."""
+
+    def __init__(self, per_prompt: bool = False) -> None:
+        self.groups: dict[str, _Group] = {}
+        # batch size -> (replica, prompt_id) -> method -> ms/token (of the last such record)
+        self.per_prompt: dict[int, dict[tuple[int, str], dict[str, float]]] | None = (
+            {} if per_prompt else None
+        )
+
+    def add(self, r: Record) -> None:
+        if r.warmup:
+            return
+        _add(self.groups, r)
+        if self.per_prompt is not None:
+            prompt = (r.replica, r.prompt_id)
+            self.per_prompt.setdefault(r.batch_size, {}).setdefault(prompt, {})[r.method] = r.ms_per_token
+
+    def summary(self) -> dict[str, MethodSummary]:
+        return {key: g.summary() for key, g in self.groups.items()}
+
+    def benchmark(self, methods: Sequence[str]) -> dict[str, BenchmarkRow]:
+        if self.per_prompt is None:
+            raise ValueError("Totals(per_prompt=True) keeps what benchmark() needs")
+        return _benchmark_rows(self.summary(), self.per_prompt, methods)
+
+
 def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
     """summary.json: per method and batch size (``group_key``), over the non-warm-up records, in
-    one pass over ``records`` that keeps none of them (``_Group``)."""
-    groups: dict[str, _Group] = {}
+    one pass over ``records`` that keeps none of them."""
+    totals = Totals()
     for r in records:
-        if not r.warmup:
-            _add(groups, r)
-    return {key: g.summary() for key, g in groups.items()}
+        totals.add(r)
+    return totals.summary()
 
 
 def _cost(cores: int, gpus: int, tokens: int, wall: float) -> dict:
@@ -326,16 +356,18 @@ def benchmark_table(records: Iterable[Record], methods: Sequence[str]) -> dict[s
     """benchmark.json: per method (and batch size, ``group_key``) ms/token, tokens/s and speedup
     over ``ar`` at the same batch size (aggregate ratio, and median/min/max of per-prompt ratios
     of ms/token over the prompts every method decoded). One pass over ``records``, keeping none
-    of them (``summarize``) but each one's ms/token."""
-    groups: dict[str, _Group] = {}
-    # batch size -> (replica, prompt_id) -> method -> ms/token (of the last such record)
-    per_prompt: dict[int, dict[tuple[int, str], dict[str, float]]] = {}
+    of them but each one's ms/token (``Totals``)."""
+    totals = Totals(per_prompt=True)
     for r in records:
-        if not r.warmup:
-            _add(groups, r)
-            prompt = (r.replica, r.prompt_id)
-            per_prompt.setdefault(r.batch_size, {}).setdefault(prompt, {})[r.method] = r.ms_per_token
-    summary = {key: g.summary() for key, g in groups.items()}
+        totals.add(r)
+    return totals.benchmark(methods)
+
+
+def _benchmark_rows(
+    summary: Mapping[str, MethodSummary],
+    per_prompt: Mapping[int, Mapping[tuple[int, str], Mapping[str, float]]],
+    methods: Sequence[str],
+) -> dict[str, BenchmarkRow]:
     out = {}
     for b, m in [(b, m) for b in sorted(per_prompt) for m in methods]:
         key, ar = group_key(m, b), group_key("ar", b)

@@ -47,20 +47,27 @@ def place(r: Record) -> tuple:
 def write_run_files(cfg: AppConfig, run_dir: Path, records: Iterable[Record], errors: list[dict]) -> None:
     """results.jsonl (``place`` order), the ``run.output_format`` file, summary.json,
     benchmark.json and the printed table, from ``records`` in any order (a run's parts, or an
-    array's shards: pipespec_mpi/run/shards.py) and ``errors`` (errors.jsonl's rows). Each file is
-    written in one pass over results.jsonl, read back as a stream."""
+    array's shards: pipespec_mpi/run/shards.py) and ``errors`` (errors.jsonl's rows). The other
+    files come from one pass over results.jsonl, read back as a stream."""
     write_records(run_dir / RESULTS, sorted_records(records, place, run_dir))
+    benchmark = cfg.run.mode == "benchmark"
+    totals = metrics.Totals(per_prompt=benchmark)
 
-    def results() -> Iterator[Record]:
-        return iter_records(run_dir / RESULTS)
+    def results() -> Iterator[Record]:  # read once: the output file and the aggregates together
+        for r in iter_records(run_dir / RESULTS):
+            totals.add(r)
+            yield r
 
-    write_outputs(cfg.run.output_format, run_dir, results(), errors, cfg.hierarchy.stages[-1].name)
-    summary = metrics.summarize(results())
+    stream = results()
+    write_outputs(cfg.run.output_format, run_dir, stream, errors, cfg.hierarchy.stages[-1].name)
+    for _ in stream:  # what the output file did not read (jsonl: it is results.jsonl itself)
+        pass
+    summary = totals.summary()
     for s in summary.values():
         s.rows_not_decoded = len(errors)
     write_summary(run_dir / SUMMARY, summary)
-    if cfg.run.mode == "benchmark":
-        bench = metrics.benchmark_table(results(), cfg.run.methods)
+    if benchmark:
+        bench = totals.benchmark(cfg.run.methods)
         write_benchmark(run_dir / BENCHMARK, bench)
         print(format_benchmark(bench), flush=True)
     else:

@@ -225,3 +225,17 @@ def test_summary_json_of_an_older_run_reads(tmp_path: Path) -> None:
     assert isinstance(BenchmarkRow.from_json(json.loads(json.dumps(
         {"n_prompts": 1, "n_tokens": 2, "wall_s": 1, "ms_per_token": 500, "tokens_per_s": 2,
          "mean_accepted_per_verification": {}, "busy_fraction": [1.0]}))), BenchmarkRow)  # fmt: skip
+
+
+def test_to_json_is_asdict_without_the_copy() -> None:
+    """Record.to_json shares the record's lists (json.dumps only reads them) and says exactly what
+    dataclasses.asdict says."""
+    import dataclasses
+
+    r = make_record("pipespec", "p0", 0.5)
+    r.stages[1].timeline = [[0.0, 0.1, "verify", 4, 12]]
+    r.stages[0].drafter = {"proposals": {"job": 2}}
+    doc = r.to_json()
+    assert doc == dataclasses.asdict(r) and json.dumps(doc) == json.dumps(dataclasses.asdict(r))
+    assert doc["stages"][1]["timeline"] is r.stages[1].timeline  # shared, not copied
+    assert Record.from_json(json.loads(json.dumps(doc))) == r
