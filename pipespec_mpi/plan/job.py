@@ -22,7 +22,7 @@ from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.plan.options import AUTO_GRID, Plan
 from pipespec_mpi.plan.realize import realize
-from pipespec_mpi.plan.record import PlanRecord, SearchInputs, read_plan, write_plan
+from pipespec_mpi.plan.record import Machine, PlanRecord, RunsAs, SearchInputs, read_plan, write_plan
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
@@ -82,10 +82,9 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, PlanRecord
     )
     record = PlanRecord(
         plan=plan, calibration=summary(cal), candidates=cfg.hierarchy.name,
-        runs={"hierarchy": chosen.hierarchy.name, "method": chosen.method,
-              "lookahead": chosen.decode.lookahead, "sd_window": chosen.decode.sd_window,
-              "max_run_ahead": chosen.decode.max_run_ahead},
-        machine={"cores": node.cores, "ranks_on_node": node.ranks_on_node, "bound": node.bound},
+        runs=RunsAs(chosen.hierarchy.name, chosen.method, chosen.decode.lookahead, chosen.decode.sd_window,
+                    chosen.decode.max_run_ahead),
+        machine=Machine(node.cores, node.ranks_on_node, node.bound),
         inputs=search_inputs(cfg, cal),
     )  # fmt: skip
     return chosen, record

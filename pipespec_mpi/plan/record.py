@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from pipespec_mpi.auto.calibrate import CalibrationSummary
 from pipespec_mpi.auto.measured import Measured
@@ -49,12 +48,30 @@ class SearchInputs:
 
 
 @dataclass(frozen=True)
+class RunsAs:
+    """What the job runs: the realized hierarchy and the decode settings the choice set."""
+
+    hierarchy: str
+    method: str
+    lookahead: int
+    sd_window: int | None
+    max_run_ahead: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    cores: int
+    ranks_on_node: int
+    bound: bool  # the launcher binds each rank to cores of its own
+
+
+@dataclass(frozen=True)
 class PlanRecord:
     plan: Plan
     calibration: CalibrationSummary
     candidates: str  # the hierarchy whose stages were the candidates
-    runs: dict[str, Any]  # what the job runs: hierarchy, method, lookahead, sd_window, max_run_ahead
-    machine: dict[str, Any]  # cores, ranks_on_node, bound
+    runs: RunsAs | None
+    machine: Machine | None
     inputs: SearchInputs | None
     # after the run (rank 0, add_measured): ms/token per summary.json entry, the chosen one over
     # its prediction, its speedup over AR, and a line when it was further off than auto.off_factor
@@ -66,7 +83,8 @@ class PlanRecord:
 
     def to_json(self) -> dict:
         out = {**self.plan.to_json(), **asdict(self.calibration), "candidates": self.candidates,
-               "runs": self.runs, "machine": self.machine,
+               "runs": asdict(self.runs) if self.runs else None,
+               "machine": asdict(self.machine) if self.machine else None,
                "inputs": self.inputs.to_json() if self.inputs else None}  # fmt: skip
         if self.measured_ms_per_token:
             out["measured_ms_per_token"] = self.measured_ms_per_token
@@ -93,7 +111,8 @@ class PlanRecord:
         inputs = node.get("inputs")
         return cls(
             plan=plan, calibration=CalibrationSummary(**cal), candidates=node.get("candidates", ""),
-            runs=node.get("runs", {}), machine=node.get("machine", {}),
+            runs=RunsAs(**node["runs"]) if node.get("runs") else None,
+            machine=Machine(**node["machine"]) if node.get("machine") else None,
             inputs=SearchInputs.from_json(inputs) if inputs else None,
             measured_ms_per_token=node.get("measured_ms_per_token", {}),
             measured_vs_predicted=node.get("measured_vs_predicted"),

@@ -81,7 +81,7 @@ def test_a_run_far_from_its_prediction_says_so_and_drops_the_cached_costs(
                              cache_files={"costs": str(costs), "agreement": str(agreement)}, spot_check=None,
                              not_measured=[], stages=["d", "t"], rates={"d -> t": 0.8})  # fmt: skip
     plan = Plan(chosen, chosen, ar, 0.05, "predicted 2.00x AR", (ar, chosen))
-    record = PlanRecord(plan, cal, "h", {}, {}, None)
+    record = PlanRecord(plan, cal, "h", None, None, None)
     after = job.add_measured(tmp_path, record, off_factor=2.0)
     assert read_plan(tmp_path) == after and after.plan == plan  # one writer, one reader
     plan = json.loads((tmp_path / PLAN).read_text())
