@@ -214,7 +214,7 @@ def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
 
 
 def test_the_job_plan_measure_and_plan_from_its_run_choose_the_same(tmp_path, monkeypatch, capsys):
-    """hierarchy=auto's choice (rank 0), ``pipespec-plan --measure`` and ``pipespec-plan --from``
+    """hierarchy=auto's choice (rank 0), ``pipespec-plan --measure`` and ``pipespec-plan RUN_DIR``
     the job's run directory, fed the same measurements, choose the same option: one search."""
     from types import SimpleNamespace
 
