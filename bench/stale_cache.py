@@ -46,6 +46,8 @@ def job(run_dir: Path, overrides: list[str], env: dict) -> dict:
     if plan.exists():
         p = json.loads(plan.read_text())
         row |= {"spot_check": p.get("spot_check"), "from_cache": p.get("from_cache"),
+                "chosen": {k: p["chosen"][k] for k in ("method", "pipeline", "window", "run_ahead",
+                                                       "policy")},
                 "runs": p.get("runs"), "prediction_off": p.get("prediction_off"),
                 "predicted": round(p["ar"]["ms_per_token"] / p["chosen"]["ms_per_token"], 2),
                 "calibration_s": p.get("calibration_s")}  # fmt: skip

@@ -83,7 +83,8 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, PlanRecord
     record = PlanRecord(
         plan=plan, calibration=summary(cal), candidates=cfg.hierarchy.name,
         runs=RunsAs(chosen.hierarchy.name, chosen.method, chosen.decode.lookahead, chosen.decode.sd_window,
-                    chosen.decode.max_run_ahead),
+                    chosen.decode.max_run_ahead,
+                    tuple(chosen.run.methods) if chosen.run.mode == "benchmark" else (chosen.method,)),
         machine=Machine(node.cores, node.ranks_on_node, node.bound),
         inputs=search_inputs(cfg, cal),
     )  # fmt: skip

@@ -52,10 +52,13 @@ class RunsAs:
     """What the job runs: the realized hierarchy and the decode settings the choice set."""
 
     hierarchy: str
-    method: str
+    method: str  # the app's ``method`` (run.mode=single: the chosen one)
     lookahead: int
     sd_window: int | None
     max_run_ahead: int
+    # the methods it decodes: the chosen one, or in run.mode=benchmark every one of run.methods on
+    # the best speculative option's stages (the choice itself is ``chosen``)
+    methods: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ class PlanRecord:
         inputs = node.get("inputs")
         return cls(
             plan=plan, calibration=CalibrationSummary(**cal), candidates=node.get("candidates", ""),
-            runs=RunsAs(**node["runs"]) if node.get("runs") else None,
+            runs=RunsAs(**{**node["runs"], "methods": tuple(node["runs"].get("methods", ()))})
+            if node.get("runs")
+            else None,
             machine=Machine(**node["machine"]) if node.get("machine") else None,
             inputs=SearchInputs.from_json(inputs) if inputs else None,
             measured_ms_per_token=node.get("measured_ms_per_token", {}),

@@ -62,7 +62,7 @@ def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, 
     recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto")
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
-    assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]"
+    assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]" and plan["runs"]["methods"] == ["ar"]
     assert {r["method"] for r in recs} == {"ar"} and outputs(recs) == ar
     logs = "".join(p.read_text() for p in (tmp_path / "auto").glob("rank*.log"))
     assert "rank 1 is spare" in logs and "rank 2 is spare" in logs
