@@ -16,7 +16,6 @@ reported on stderr and skipped.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import json
 import sys
 import types
@@ -157,38 +156,6 @@ def iter_records(path: str | Path) -> Iterator[Record]:
                 yield Record.from_json(obj)
             except _Malformed as err:
                 raise RecordError(path, i, str(err)) from None
-
-
-def sorted_records(
-    records: Iterable[Record], key: Callable[[Record], Any], spill_dir: str | Path, run_len: int = 4096
-) -> Iterator[Record]:
-    """``records`` sorted by ``key`` (stable), holding at most ``run_len`` of them: longer inputs
-    are sorted in runs spilled to files in ``spill_dir`` and merged (a 100,000-record job's
-    results are not held at once). The spilled files are removed when the merge ends."""
-    runs: list[Path] = []
-    buf: list[Record] = []
-
-    def spill() -> None:
-        path = Path(spill_dir) / f".sort-run-{len(runs)}.jsonl"
-        write_records(path, sorted(buf, key=key))
-        runs.append(path)
-        buf.clear()
-
-    for r in records:
-        buf.append(r)
-        if len(buf) == run_len:
-            spill()
-    if not runs:
-        yield from sorted(buf, key=key)
-        return
-    if buf:
-        spill()
-    try:
-        # ties keep their run's order, and runs are in input order: stable, as sorted() is
-        yield from heapq.merge(*(iter_records(p) for p in runs), key=key)
-    finally:
-        for p in runs:
-            p.unlink(missing_ok=True)
 
 
 def write_records(path: str | Path, records: Iterable[Record]) -> None:

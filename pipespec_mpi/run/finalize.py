@@ -5,9 +5,11 @@ appended to slurm.json. errors.jsonl (the rows not decoded) was written at the s
 
 from __future__ import annotations
 
+import heapq
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from pipespec_mpi.analysis import metrics, table
 from pipespec_mpi.analysis.table import Column, cell
@@ -21,7 +23,6 @@ from pipespec_mpi.records import (
     Record,
     iter_records,
     read_errors,
-    sorted_records,
     write_benchmark,
     write_records,
     write_summary,
@@ -36,6 +37,38 @@ def finalize(cfg: AppConfig, run_dir: Path) -> None:
     records = (r for p in parts for r in iter_records(p))
     write_run_files(cfg, run_dir, records, read_errors(run_dir / ERRORS))
     append_slurm_record(run_dir, os.environ)
+
+
+def sorted_records(
+    records: Iterable[Record], key: Callable[[Record], Any], spill_dir: str | Path, run_len: int = 4096
+) -> Iterator[Record]:
+    """``records`` sorted by ``key`` (stable), holding at most ``run_len`` of them: longer inputs
+    are sorted in runs spilled to files in ``spill_dir`` and merged (a 100,000-record job's
+    results are not held at once). The spilled files are removed when the merge ends."""
+    runs: list[Path] = []
+    buf: list[Record] = []
+
+    def spill() -> None:
+        path = Path(spill_dir) / f".sort-run-{len(runs)}.jsonl"
+        write_records(path, sorted(buf, key=key))
+        runs.append(path)
+        buf.clear()
+
+    for r in records:
+        buf.append(r)
+        if len(buf) == run_len:
+            spill()
+    if not runs:
+        yield from sorted(buf, key=key)
+        return
+    if buf:
+        spill()
+    try:
+        # ties keep their run's order, and runs are in input order: stable, as sorted() is
+        yield from heapq.merge(*(iter_records(p) for p in runs), key=key)
+    finally:
+        for p in runs:
+            p.unlink(missing_ok=True)
 
 
 def place(r: Record) -> tuple:

@@ -1,5 +1,5 @@
 """A job's rows as a stream (run/rows.py): the first pass's verdict, the deal of each round,
-and the sorted merge of records that finalize streams (records.py ``sorted_records``)."""
+and the sorted merge of records that finalize streams (run/finalize.py ``sorted_records``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.data.requests import BadRow
 from pipespec_mpi.models.tokenizer import ByteTokenizer
-from pipespec_mpi.records import iter_records, sorted_records
-from pipespec_mpi.run.finalize import place
+from pipespec_mpi.records import iter_records
+from pipespec_mpi.run.finalize import place, sorted_records
 from pipespec_mpi.run.jobs import Prompt, prepared_rows
 from pipespec_mpi.run.rows import RowFeed, deal, first_pass
 from pipespec_mpi.topology import place as place_rank
