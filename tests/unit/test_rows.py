@@ -1,5 +1,5 @@
 """A job's rows as a stream (run/rows.py): the first pass's verdict, the deal of each round,
-and the sorted merge of records that finalize streams (run/finalize.py ``sorted_records``)."""
+and the sorted merge of records that finalize streams (run/finalize.py ``sorted_lines``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.data.requests import BadRow
 from pipespec_mpi.models.tokenizer import ByteTokenizer
-from pipespec_mpi.records import iter_records
-from pipespec_mpi.run.finalize import place, sorted_records
+from pipespec_mpi.records import Record, iter_records
+from pipespec_mpi.run.finalize import place, sorted_lines
 from pipespec_mpi.run.jobs import Prompt, prepared_rows
 from pipespec_mpi.run.rows import RowFeed, deal, first_pass
 from pipespec_mpi.topology import place as place_rank
@@ -94,15 +94,17 @@ def test_the_feed_reads_a_round_at_a_time_and_skips_bad_rows(tmp_path):
 
 
 @pytest.mark.parametrize("run_len", [3, 1000])
-def test_sorted_records_spills_runs_and_merges_them_stably(tmp_path, run_len):
+def test_sorted_lines_spill_runs_and_merge_them_stably(tmp_path, run_len):
     recs = []
     for i in range(20):
         r = make_record(f"p{i}", (i * 7) % 5)
         r.seq, r.warmup = i, i in (4, 13)
         recs.append(r)
-    got = list(sorted_records(iter(recs), place, tmp_path, run_len=run_len))
+    lines = list(sorted_lines(iter(recs), place, tmp_path, run_len=run_len))
+    got = [Record.from_json(json.loads(line)) for line in lines]
     want = sorted(recs, key=place)
     assert [(r.prompt_id, r.seq) for r in got] == [(r.prompt_id, r.seq) for r in want]
+    assert got == want and all(line.endswith("\n") and "\t" not in line for line in lines)
     assert not list(tmp_path.glob(".sort-run-*"))  # the spilled runs are removed
 
 
