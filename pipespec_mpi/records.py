@@ -2,7 +2,7 @@
 
 - ``Record``: one line of ``results.jsonl`` (and of ``parts/replica-<r>.jsonl``): one (prompt,
   method, sample), with one ``StageStats`` per stage, as each stage sent it. ``iter_records`` is
-  the one reader of these files; ``write_records`` writes one.
+  the one reader of these files; ``Record.to_line`` is what every writer writes.
 - ``MethodSummary`` (``summary.json``, per method) and ``BenchmarkRow`` (``benchmark.json``, per
   method), each written and read by one function.
 
@@ -103,6 +103,11 @@ class Record:
         ``dataclasses.asdict(self)``, without its deep copy (``_plain``)."""
         return _plain(self)
 
+    def to_line(self) -> str:
+        """The record as one line of a results file or a part, newline included: the one place
+        a record is serialized."""
+        return json.dumps(self.to_json()) + "\n"
+
     @classmethod
     def from_json(cls, obj: Any) -> Record:
         """The record of a decoded JSON line; ``_Malformed`` says what does not fit. Records
@@ -161,8 +166,7 @@ def iter_records(path: str | Path) -> Iterator[Record]:
 def write_records(path: str | Path, records: Iterable[Record]) -> None:
     """A results file: one record per line."""
     with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json()) + "\n")
+        f.writelines(r.to_line() for r in records)
 
 
 def write_errors(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:

@@ -255,18 +255,18 @@ def measure_costs(
     out: dict[Pipeline, list[StageCost]] = {}
     too_slow: set[int] = set()
 
-    def time(p: Pipeline) -> list[StageCost]:
+    def timed(p: Pipeline) -> list[StageCost]:
         return workers.costs(p, threads_of[len(p)], context, token_counts, repeats)
 
     for p in sorted((tuple(p) for p in pipelines), key=len):
         if len(p) > 2 and too_slow & set(p):
             continue
-        out[p] = time(p)
+        out[p] = timed(p)
         if len(p) == 2 and out[p][0].one_token_s >= out[p][1].one_token_s:
             too_slow.add(p[0])
     model_free = frozenset(i for i, st in enumerate(workers.hier.stages) if st.kind in DRAFTER_KINDS)
     again = disagreeing(out, factor, model_free)
     for p in again:
-        out[p] = time(p)
+        out[p] = timed(p)
     still = disagreeing(out, factor, model_free)
     return out, CostCheck(tuple(again), tuple(p for p in still if p in again))

@@ -113,6 +113,11 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def split_tool_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A tool's positional arguments as (paths, Hydra overrides): an override has an ``=``."""
+    return [x for x in args if "=" not in x], [x for x in args if "=" in x]
+
+
 def compose_tool_config(overrides: Sequence[str], keys: Sequence[str]) -> tuple[AppConfig, set[str]]:
     """A tool's settings, spelled as the app's keys: ``compose_config(overrides)`` (so a value is
     checked as a job would check it) and the keys the overrides set. Each override must be one of

@@ -45,7 +45,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipespec_mpi.config import AppConfig, DecodeConfig, compose_config, compose_tool_config
+from pipespec_mpi.config import AppConfig, DecodeConfig, compose_config, compose_tool_config, split_tool_args
 from pipespec_mpi.errors import UserError, tool_error
 from pipespec_mpi.plan.options import Grid
 from pipespec_mpi.plan.realize import overrides
@@ -93,8 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="configurations per method (default 3; --measure: rows, default 8)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    run_dirs = [x for x in a.args if "=" not in x]
-    settings = [x for x in a.args if "=" in x]
+    run_dirs, settings = split_tool_args(a.args)
     if len(run_dirs) > 1 or (run_dirs and (a.config or a.preset or a.measure)):
         ap.error(f"one source: a run directory, --config, --preset or --measure (got {run_dirs})")
     if a.measure:

@@ -4,7 +4,6 @@ stage's stats to the replica's leader (its last stage), and what the leader does
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -213,7 +212,7 @@ class Collector:
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> None:
         rec = self.assemble(job, outcome, stats)
-        self.file.write(json.dumps(rec.to_json()) + "\n")
+        self.file.write(rec.to_line())
         self.file.flush()
         os.fsync(self.file.fileno())
         if self.log_progress is not None:

@@ -68,7 +68,7 @@ def sorted_lines(
                 yield json.loads(k), line
 
     for r in records:
-        buf.append((list(key(r)), json.dumps(r.to_json()) + "\n"))
+        buf.append((list(key(r)), r.to_line()))
         if len(buf) == run_len:
             spill()
     if not runs:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipespec_mpi.analysis import table as layout
 from pipespec_mpi.analysis.table import Column, cell
-from pipespec_mpi.config import AppConfig, compose_tool_config
+from pipespec_mpi.config import AppConfig, compose_tool_config, split_tool_args
 from pipespec_mpi.errors import tool_error
 from pipespec_mpi.simulate.fit import load_records, predict_run
 from pipespec_mpi.simulate.paper import (
@@ -118,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iid", action="store_true",
                     help="runs: i.i.d. acceptance instead of the records' traces")  # fmt: skip
     a = ap.parse_args(argv)
-    run_dirs = [x for x in a.args if "=" not in x]
-    settings = [x for x in a.args if "=" in x]
+    run_dirs, settings = split_tool_args(a.args)
     if bool(run_dirs) + bool(a.preset) + a.fit_paper_rates != 1:
         ap.error("give run directories, --preset paper or --fit-paper-rates (one of them)")
     try:
