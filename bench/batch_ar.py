@@ -60,7 +60,7 @@ def main() -> None:
     scorer = load_stage(hier, hier.n_stages - 1, [])
     if scorer._lean is None:
         raise SystemExit("the target has no lean forward here; batched AR needs it")
-    prompts = [ids for _, ids, _ in tokenize_prompts(cfg, load_tokenizer(hier.tokenizer, hier.name))]
+    prompts = [p.ids for p in tokenize_prompts(cfg, load_tokenizer(hier.tokenizer, hier.name)).prompts]
     sizes = [int(b) for b in a.batch.split(",")]
     secs: dict[int, list[float]] = {b: [] for b in sizes}
     outs: dict[int, list[list[int]]] = {}

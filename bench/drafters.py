@@ -97,7 +97,7 @@ def main() -> None:
     agree: dict[tuple[str, str], list[int]] = {}
     for ds in ("humaneval", "news"):
         cfg = compose_config([f"dataset={ds}", f"dataset.n_prompts={a.prompts}", f"dataset.seed={a.seed}"])
-        for _, ids, _ in tokenize_prompts(cfg, tok):
+        for ids in (p.ids for p in tokenize_prompts(cfg, tok).prompts):
             cont = greedy(models["target"], ids, a.tokens)
             for name in COPIES:
                 hit, n = agreement(models[name], ids, cont)

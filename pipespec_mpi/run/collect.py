@@ -1,4 +1,4 @@
-"""The MPI ends of a job (the ports ``StageProcess`` drives): the start gate, the handoff of every
+"""The MPI ends of a job (the ports ``StageProcess`` drives): the deal, the start gate, the handoff of every
 stage's stats to the replica's leader (its last stage), and what the leader does with them: one
 ``Record`` assembled and appended to ``parts/replica-<r>.jsonl``, flushed and fsynced."""
 
@@ -9,11 +9,13 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.records import Record, drop_torn_tail
 from pipespec_mpi.run.jobs import Job
+from pipespec_mpi.stage.deal import END, JobQueue
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 from pipespec_mpi.topology import Placement
 
@@ -51,6 +53,29 @@ class VoteGate:
         return bool(self.vote[0])
 
 
+class VoteDeal:
+    """A slot's next job from the queue its stage's slots share on the replica's last stage
+    (stage/deal.py): the last stage claims, and a non-blocking vote over the slot's stages (an
+    Iallreduce, MAX, the others offering ``END``) tells them which."""
+
+    def __init__(self, comm, queue: JobQueue | None) -> None:
+        import numpy as np
+        from mpi4py import MPI
+
+        self._MAX = MPI.MAX
+        self.comm, self.queue = comm, queue
+        self.mine = np.zeros(1, dtype=np.int64)
+        self.vote = np.zeros(1, dtype=np.int64)
+        self.req = None
+
+    def open(self) -> None:
+        self.mine[0] = self.queue.claim() if self.queue is not None else END
+        self.req = self.comm.Iallreduce(self.mine, self.vote, op=self._MAX)
+
+    def dealt(self) -> int | None:
+        return int(self.vote[0]) if self.req.Test() else None
+
+
 OnStats = Callable[[Job, StageOutcome, list[StageStats]], None]
 
 
@@ -60,9 +85,9 @@ class LeaderHandoff:
 
     def __init__(
         self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None, threads: int = 0,
-        n_gpus: int = 0,
+        n_gpus: int = 0, slot: int = 0,
     ) -> None:  # fmt: skip
-        self.comm, self.stage, self.leader = comm, stage, n_stages - 1
+        self.comm, self.stage, self.leader, self.slot = comm, stage, n_stages - 1, slot
         self.threads, self.n_gpus = threads, n_gpus
         self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
         self.on_record = on_record  # the leader's: (job, its outcome, every stage's stats) -> None
@@ -78,7 +103,7 @@ class LeaderHandoff:
         if self.stage != self.leader:
             self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)
             return
-        self.job, self.outcome = job, outcome
+        self.job, self.outcome = replace(job, slot=self.slot), outcome  # the slot that decoded it
         self.stats = [None] * (self.leader + 1)
         self.stats[self.leader] = outcome.stats
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipespec_mpi.config import AppConfig, SamplingConfig
@@ -254,14 +254,14 @@ def count_jobs(cfg: AppConfig, n_prompts: int, warmups: bool = True) -> int:
 
 
 def phases(jobs: list[Job]) -> list[list[Job]]:
-    """``jobs`` split into their phases, in order; each job's ``slot`` set: the phase's jobs are
-    dealt to its ``batch_size`` slots in turn (slot s decodes the s-th, (s+B)-th, ... job)."""
+    """``jobs`` split into their phases, in order (which slot decodes a job is decided as the
+    phase runs: stage/deal.py)."""
     out: list[list[Job]] = []
     for job in jobs:
         if not out or out[-1][0].phase != job.phase:
             out.append([])
         out[-1].append(job)
-    return [[replace(j, slot=i % j.batch_size) for i, j in enumerate(group)] for group in out]
+    return out
 
 
 def done_jobs(run_dir: Path) -> set[JobKey]:

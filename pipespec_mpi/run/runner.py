@@ -4,8 +4,9 @@ then rank 0 writes the run's files (finalize.py).
 
 Batched decoding (``decode.batch_size``, a benchmark's ``run.batch_sizes``): the jobs come in
 phases of one batch size; a phase of batch B runs B slots (each its own ``StageProcess`` over
-its own links, window and communicators, dealt every B-th job) under one ``BatchedStage``, whose
-forwards run together. A replica's phases are separated by a barrier of its ranks."""
+its own links, window and communicators) under one ``BatchedStage``, whose forwards run together;
+a slot that finishes takes the phase's next job (stage/deal.py: a queue the slots share). A
+replica's phases are separated by a barrier of its ranks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pipespec_mpi.run.collect import (
     LeaderHandoff,
     Progress,
     RecordAssembler,
+    VoteDeal,
     VoteGate,
     part_path,
     progress_bar,
@@ -49,6 +51,7 @@ from pipespec_mpi.run.setup import PerfClock
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
+from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.process import StageProcess, drive
 from pipespec_mpi.stage.wait import StallError, wait_until
@@ -110,16 +113,20 @@ class Runner:
             maybe_fail(self.world.rank, index[job.seq])
             loaded.gpu_monitor.start()
 
-        def slot(s: int, slot_jobs: list[Job], alone: bool) -> StageProcess:
+        def slot(s: int, group: list[Job], queue: JobQueue | None) -> StageProcess:
+            """Slot s's process over a phase's jobs: all of them in order (``queue`` None: batch
+            1), else the next one the last stage's slots take from their shared ``queue``."""
             # GPU energy is per job; batched jobs overlap, so they are not measured
-            monitor = loaded.gpu_monitor if alone else GpuMonitor([])
+            monitor = loaded.gpu_monitor if queue is None else GpuMonitor([])
+            comm = slot_links[s].replica_comm
             handoff = LeaderHandoff(
-                slot_links[s].replica_comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
-                threads=loaded.threads, n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
+                comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector, threads=loaded.threads,
+                n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0, slot=s,
             )  # fmt: skip
             return StageProcess(
-                loops[s], VoteGate(slot_links[s].replica_comm, stop), handoff, slot_jobs,
+                loops[s], VoteGate(comm, stop), handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
+                deal=None if queue is None else VoteDeal(comm, queue if pl.is_last else None),
             )  # fmt: skip
 
         # A round of rows at a time (run/rows.py): plan its jobs, decode them, then every replica
@@ -179,19 +186,21 @@ class Runner:
         self,
         groups: list[list[Job]],
         loops: list[StageLoop],
-        slot: Callable[[int, list[Job], bool], StageProcess],
+        slot: Callable[[int, list[Job], JobQueue | None], StageProcess],
         links: setup.Links,
     ) -> tuple[int, int]:
-        """Drive the stage over the phases (``slot(s, jobs, alone)`` builds slot s's process):
-        one slot alone at batch 1, a ``BatchedStage`` over B slots else. Returns the jobs handed
-        over and those not started (the replica agreed to stop: later phases are not started)."""
+        """Drive the stage over the phases (``slot(s, jobs, queue)`` builds slot s's process):
+        one slot alone at batch 1, a ``BatchedStage`` over B slots else, which take the phase's
+        jobs from one queue (stage/deal.py). Returns the jobs handed over and those not started
+        (the replica agreed to stop: later phases are not started)."""
         done = left = 0
         for g, group in enumerate(groups):
             size = group[0].batch_size
             b = min(size, len(group))
             for loop in loops:  # between phases: no prompt is in flight
                 loop.cfg = self.cfg.decode.for_batch(size)
-            slots = [slot(s, group[s::size], b == 1) for s in range(b)]
+            queue = None if b == 1 else JobQueue(len(group))
+            slots = [slot(s, group, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
             try:
                 drive(stepper, self.cfg.run.stall_timeout_s)

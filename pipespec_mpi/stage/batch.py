@@ -29,7 +29,7 @@ from pipespec_mpi.speculative.goodput import allot_rows, survivals
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock
-from pipespec_mpi.stage.process import StageProcess
+from pipespec_mpi.stage.process import StageProcess, jobs_left
 
 # (scorer, seq, proposal) per forward -> logits [len(proposal)+1, V] per forward
 ScoreBatch = Callable[[list[tuple[object, list[int], list[int]]]], list[torch.Tensor]]
@@ -58,7 +58,7 @@ class BatchedStage:
 
     @property
     def jobs_left(self) -> int:
-        return sum(p.jobs_left for p in self.slots)
+        return jobs_left(self.slots)
 
     def step(self) -> Step:
         forwards: list[tuple[StageProcess, Forward]] = []

@@ -1,7 +1,8 @@
 """A stage's life over a list of jobs, as one steppable object, and the driver that runs it on a rank.
 
-For every job: reset the stage's header for the prompt, pass the replica's start gate, decode
-(``StageLoop.step()`` until DONE), hand the outcome over (stats to the replica's leader), next job.
+For every job: learn which job is next (stage/deal.py: in turn, or from a queue the slots share),
+reset the stage's header for the prompt, pass the replica's start gate, decode (``StageLoop.step()``
+until DONE), hand the outcome over (stats to the replica's leader), next job.
 The gate is also where the replica agrees to stop early (run/drain.py): then no stage starts the
 job, and ``jobs_left`` says how many were not started.
 While it waits at the gate or for the handoff it keeps taking in proposals (an upstream that passed
@@ -21,6 +22,7 @@ from typing import Protocol
 import torch
 
 from pipespec_mpi.speculative.verifiers import Verifier
+from pipespec_mpi.stage.deal import END, Deal, InTurn
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.stats import StageOutcome
 from pipespec_mpi.stage.wait import Backoff, StallError
@@ -60,7 +62,9 @@ class Steppable(Protocol):
 
 
 class StageProcess:
-    """One rank's stage over its jobs; ``step()`` says DONE once every job is handed over."""
+    """One rank's stage over its jobs; ``step()`` says DONE once every job it was dealt is handed
+    over. ``jobs``: the phase's jobs; ``deal``: which of them this slot decodes (default: all of
+    them, in order)."""
 
     def __init__(
         self,
@@ -70,17 +74,26 @@ class StageProcess:
         jobs: Sequence[Job],
         verifier_for: Callable[[Job], Verifier],
         on_start: Callable[[Job], None] | None = None,
+        deal: Deal | None = None,
     ) -> None:
         self.loop, self.gate, self.handoff = loop, gate, handoff
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
+        self.deal = deal if deal is not None else InTurn(len(self.jobs))
         self.index = -1
-        self.phase = "next"  # next | gate | decode | handoff | end
-        self.jobs_left = 0  # jobs not started because the replica stopped early
+        self.phase = "next"  # next | deal | gate | decode | handoff | end
+        self.stopped = False  # the replica agreed to stop before this slot's job
+        self.jobs_started = 0
         self.jobs_done = 0  # jobs handed over
 
     @property
     def job(self) -> Job | None:
         return self.jobs[self.index] if 0 <= self.index < len(self.jobs) else None
+
+    @property
+    def jobs_left(self) -> int:
+        """Jobs of the phase not started because the replica stopped early (0 if it did not);
+        for a batched stage: ``jobs_left(slots)``."""
+        return jobs_left([self])
 
     def step(self) -> Step:
         """One step, its forward (if any) run alone."""
@@ -91,10 +104,17 @@ class StageProcess:
         """One step up to the stage loop's forward (``StageLoop.advance``), which the driver runs
         and hands to ``complete``."""
         if self.phase == "next":
-            self.index += 1
-            if self.index == len(self.jobs):
+            self.deal.open()
+            self.phase = "deal"
+        if self.phase == "deal":
+            got = self.deal.dealt()
+            if got is None:
+                self.loop.pump()
+                return Step.WAITING
+            if got == END:
                 self.phase = "end"
                 return Step.DONE
+            self.index = got
             self.loop.reset(self.job.seq)
             self.gate.open(self.job.seq)
             self.phase = "gate"
@@ -104,9 +124,10 @@ class StageProcess:
             if not self.gate.passed():
                 return Step.WAITING
             if self.gate.stopped():
-                self.jobs_left = len(self.jobs) - self.index
+                self.stopped = True
                 self.phase = "end"
                 return Step.DONE
+            self.jobs_started += 1
             if self.on_start is not None:
                 self.on_start(self.job)
             job = self.job
@@ -135,12 +156,22 @@ class StageProcess:
     def describe(self) -> str:
         r = self.loop.role
         where = {
+            "deal": "waiting to be dealt the job after",
             "gate": "at the start gate of",
             "decode": "decoding",
             "handoff": "handing over the outcome of",
         }.get(self.phase, self.phase)
         seq = f" job {self.job.seq}" if self.job is not None else ""
         return f"stage {r.stage} (rank {r.rank}) {where}{seq}"
+
+
+def jobs_left(slots: Sequence[StageProcess]) -> int:
+    """Jobs of a phase its slots did not start because the replica stopped early: every job not
+    started once any slot was stopped (a stop is agreed by all stages of a slot, and a stopped
+    slot takes no more jobs), else none."""
+    if not any(p.stopped for p in slots):
+        return 0
+    return len(slots[0].jobs) - sum(p.jobs_started for p in slots)
 
 
 def drive(stepper: Steppable, stall_timeout_s: float) -> None:

@@ -6,6 +6,8 @@ The long run (docs/protocol.md): pipespec-explore --count 10000 --jobs 2
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_sampling_power import tiny_parts
 
@@ -150,3 +152,20 @@ def test_the_real_tiny_models_stay_lossless_under_adversarial_schedules(family):
         parts = Parts(parts.model, parts.prompts[:2], parts.eos)
         found = World(sc, parts).run()
         assert found.ok, found
+
+
+def test_a_slot_that_finishes_takes_the_next_job_while_another_decodes_a_long_one():
+    """Batched: the slots take their jobs from one queue (stage/deal.py), so the slot that drew
+    the long prompt decodes it alone while the other one takes every short prompt; each prompt is
+    decoded by the same slot on every stage, and greedy outputs equal AR (checked by ``run``)."""
+    decode = DecodeConfig(lookahead=0, max_new_tokens=40, max_run_ahead=4, max_verify=4, policy="static")
+    sc = replace(
+        Scenario.draw("pipespec-greedy-batch", 0, k=3, decode=decode),
+        slots=2, n_prompts=5, budgets=(40, 1, 1, 1, 1), eos_rate=0.0, stop_before=None, gate_delay=0,
+        handoff_delay=0,
+    )  # fmt: skip
+    world = World(sc)
+    assert world.run().ok
+    last = sc.k - 1
+    long_slot = world.decoded_by[(1, last)]
+    assert [world.decoded_by[(seq, last)] for seq in range(2, 6)] == [1 - long_slot] * 4

@@ -1,10 +1,11 @@
-"""Job planning (run/jobs.py): phases of one batch size, slots dealt in turn, resume keys."""
+"""Job planning (run/jobs.py): phases of one batch size, resume keys; jobs dealt to slots."""
 
 from __future__ import annotations
 
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.data.requests import RowSettings
 from pipespec_mpi.run.jobs import Prompt, count_jobs, phases, plan_jobs
+from pipespec_mpi.stage.deal import END, InTurn, JobQueue
 
 PROMPTS = [Prompt(f"p{i}", [1, 2 + i], i) for i in range(5)]
 
@@ -21,7 +22,6 @@ def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_si
         (3, 2, {"pipespec"}, 5),
     ]
     assert [j.method for j in groups[1][:4]] == ["ar", "pipespec", "ar", "pipespec"]
-    assert [j.slot for j in groups[2]] == [0, 1, 0, 1, 0]
     assert len({j.seq for j in jobs}) == len(jobs)  # the tag of every header and message
 
 
@@ -29,7 +29,7 @@ def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size
     cfg = compose_config(["hierarchy=tiny", "method=sd", "decode.batch_size=3"])
     jobs = plan_jobs(cfg, PROMPTS, set())
     assert {(j.method, j.batch_size, j.phase) for j in jobs} == {("sd", 3, 1)}
-    assert [j.slot for j in phases(jobs)[0]] == [0, 1, 2, 0, 1]
+    assert len(phases(jobs)) == 1
     done = {("p0", "sd", 0, 3), ("p1", "sd", 0, 1)}  # p1 was decoded at another batch size
     assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, done)] == ["p1", "p2", "p3", "p4"]
 
@@ -57,3 +57,19 @@ def test_rounds_number_their_jobs_as_one_plan_would_and_the_count_is_known_befor
         assert len({j.seq for j in rounds}) == len(rounds) == count_jobs(cfg, len(PROMPTS))
         assert sum(j.warmup for j in rounds) == sum(j.warmup for j in whole)
         assert seq == max(j.seq for j in rounds)
+
+
+def test_a_shared_queue_hands_each_job_once_in_order_then_end():
+    q = JobQueue(3)
+    assert [q.claim() for _ in range(5)] == [0, 1, 2, END, END]
+
+
+def test_in_turn_deals_a_slot_every_slots_th_job():
+    for slot, want in ((0, [0, 2, 4]), (1, [1, 3])):
+        d, got = InTurn(5, slot, 2), []
+        while True:
+            d.open()
+            if (i := d.dealt()) == END:
+                break
+            got.append(i)
+        assert got == want

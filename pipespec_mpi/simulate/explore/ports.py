@@ -192,11 +192,43 @@ class ExGate:
         return self.seq in self.world.stop_votes
 
 
+class ExDeal:
+    """A slot's next job from the queue the slots of the last stage share (stage/deal.py): that
+    stage's node claims when it opens the deal; every stage of the slot learns the claim after a
+    delay of its own (the order in which stages see a vote's result is arbitrary)."""
+
+    def __init__(self, world: World, me: int) -> None:
+        self.world, self.me = world, me  # me: the node, slot * k + stage
+        self.round = -1
+        self.countdown: int | None = None
+
+    def open(self) -> None:
+        w = self.world
+        k = w.sc.k
+        self.round += 1
+        self.countdown = None
+        if self.me % k == k - 1:
+            w.claims[(self.me // k, self.round)] = w.queue.claim()
+
+    def dealt(self) -> int | None:
+        w = self.world
+        got = w.claims.get((self.me // w.sc.k, self.round))
+        if got is None:
+            return None
+        if self.countdown is None:
+            self.countdown = w.rng.randint(0, w.sc.gate_delay)
+        if w.fair or self.countdown <= 0:
+            return got
+        self.countdown -= 1
+        return None
+
+
 class ExHandoff:
     """Outcomes to the leader (the last stage), taken after a delay; the explorer keeps them all."""
 
     def __init__(self, world: World, me: int) -> None:
         self.world, self.stage = world, me % world.sc.k  # me: the node, slot * k + stage
+        self.slot = me // world.sc.k
         self.seq = 0
         self.countdown = 0
 
@@ -204,6 +236,7 @@ class ExHandoff:
         w = self.world
         self.seq = job.seq
         w.outcomes[(job.seq, self.stage)] = outcome
+        w.decoded_by[(job.seq, self.stage)] = self.slot
         self.countdown = w.rng.randint(0, w.sc.handoff_delay)
 
     def delivered(self) -> bool:

@@ -10,6 +10,7 @@ from pipespec_mpi.models.suffix import SuffixDrafter
 from pipespec_mpi.simulate.explore.ports import (
     ChaosEstimates,
     DriftClock,
+    ExDeal,
     ExGate,
     ExHandoff,
     ExReceiver,
@@ -31,6 +32,7 @@ from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
+from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
 from pipespec_mpi.stage.ports import Header, Proposer, Scorer
 from pipespec_mpi.stage.process import StageProcess
@@ -75,8 +77,9 @@ def stage_counter_problems(outcome: StageOutcome, stage: int, k: int, lookup: bo
 
 class World:
     """One replica of k stages under one scenario's schedule. With ``slots`` > 1 each stage is a
-    ``BatchedStage`` over that many ``StageProcess``es; slot s decodes every slots-th job, over
-    its own window headers, links, gate and handoff (node s * k + i for stage i)."""
+    ``BatchedStage`` over that many ``StageProcess``es, each over its own window headers, links,
+    deal, gate and handoff (node s * k + i for stage i); a slot that finishes takes the next job
+    from the queue the last stage's slots share."""
 
     def __init__(self, sc: Scenario, parts: Parts | None = None, max_ticks: int | None = None) -> None:
         self.sc = sc
@@ -96,10 +99,13 @@ class World:
         self.gate_complete: set[int] = set()
         self.stop_votes: set[int] = set()
         self.outcomes: dict[tuple[int, int], StageOutcome] = {}
+        self.claims: dict[tuple[int, int], int] = {}  # (slot, round) -> the job index it took
+        self.decoded_by: dict[tuple[int, int], int] = {}  # (job seq, stage) -> the slot that decoded it
         self.jobs = [
             ExJob(seq, ids, sc.method, sc.budgets[seq - 1] if seq - 1 < len(sc.budgets) else None)
             for seq, ids in enumerate(self.parts.prompts, 1)
         ]
+        self.queue = JobQueue(len(self.jobs))
         n_tokens = len(self.jobs) * sc.decode.max_new_tokens
         self.max_ticks = max_ticks or 20_000 + 2_000 * k * n_tokens
         adaptive = sc.family.endswith("-adaptive")
@@ -122,8 +128,9 @@ class World:
                         loop,
                         ExGate(self, n),
                         ExHandoff(self, n),
-                        self.jobs[s::b],
+                        self.jobs,
                         verifier_for=lambda job, i=i: self.verifier(job.seq, i),
+                        deal=ExDeal(self, n) if b > 1 else None,
                     )  # fmt: skip
                 )
             self.slot_procs += slots
@@ -270,6 +277,8 @@ class World:
                     problems.append(f"prompt {job.seq}: stages {started} ran it after the stop")
                 continue
             outs = [self.outcomes[(job.seq, i)] for i in range(sc.k)]
+            if len({self.decoded_by[(job.seq, i)] for i in range(sc.k)}) > 1:
+                problems.append(f"prompt {job.seq}: decoded by different slots on different stages")
             last = outs[-1].tokens
             for i, o in enumerate(outs):
                 problems += [f"prompt {job.seq}: {x}" for x in stage_counter_problems(o, i, sc.k, sc.lookup)]
