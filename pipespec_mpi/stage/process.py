@@ -156,12 +156,12 @@ class StageProcess:
     def describe(self) -> str:
         r = self.loop.role
         where = {
-            "deal": "waiting to be dealt the job after",
+            "deal": "waiting to be dealt its next job, after",
             "gate": "at the start gate of",
             "decode": "decoding",
             "handoff": "handing over the outcome of",
         }.get(self.phase, self.phase)
-        seq = f" job {self.job.seq}" if self.job is not None else ""
+        seq = f" job {self.job.seq}" if self.job is not None else (" none" if self.phase == "deal" else "")
         return f"stage {r.stage} (rank {r.rank}) {where}{seq}"
 
 
