@@ -27,53 +27,59 @@ def part_path(run_dir: Path, replica: int) -> Path:
     return run_dir / "parts" / f"replica-{replica}.jsonl"
 
 
-class VoteGate:
-    """The start of a prompt: a non-blocking vote over the replica's stages (an Iallreduce of
-    their stop requests, MAX), which is also their barrier. Every stage learns the same outcome,
-    so either all of them start the prompt or none does (run/drain.py)."""
+class MaxVote:
+    """One int from every stage of a slot, reduced to their maximum without blocking (an
+    Iallreduce, MAX): the start gate's and the deal's collective."""
 
-    def __init__(self, comm, stop_requested: Callable[[], bool]) -> None:
+    def __init__(self, comm) -> None:
         import numpy as np
         from mpi4py import MPI
 
         self._MAX = MPI.MAX
-        self.comm, self.stop_requested = comm, stop_requested
-        self.mine = np.zeros(1, dtype=np.int32)
-        self.vote = np.zeros(1, dtype=np.int32)
+        self.comm = comm
+        self.mine = np.zeros(1, dtype=np.int64)
+        self.result = np.zeros(1, dtype=np.int64)
         self.req = None
 
-    def open(self, seq: int) -> None:
-        self.mine[0] = int(self.stop_requested())
-        self.req = self.comm.Iallreduce(self.mine, self.vote, op=self._MAX)
+    def start(self, value: int) -> None:
+        self.mine[0] = value
+        self.req = self.comm.Iallreduce(self.mine, self.result, op=self._MAX)
 
-    def passed(self) -> bool:
+    def done(self) -> bool:
         return self.req.Test()
 
+
+class VoteGate:
+    """The start of a prompt: a non-blocking vote over the replica's stages (their stop requests,
+    MAX), which is also their barrier. Every stage learns the same outcome, so either all of them
+    start the prompt or none does (run/drain.py)."""
+
+    def __init__(self, comm, stop_requested: Callable[[], bool]) -> None:
+        self.vote, self.stop_requested = MaxVote(comm), stop_requested
+
+    def open(self, seq: int) -> None:
+        self.vote.start(int(self.stop_requested()))
+
+    def passed(self) -> bool:
+        return self.vote.done()
+
     def stopped(self) -> bool:
-        return bool(self.vote[0])
+        return bool(self.vote.result[0])
 
 
 class VoteDeal:
     """A slot's next job from the queue its stage's slots share on the replica's last stage
-    (stage/deal.py): the last stage claims, and a non-blocking vote over the slot's stages (an
-    Iallreduce, MAX, the others offering ``END``) tells them which."""
+    (stage/deal.py): the last stage claims, and a non-blocking vote over the slot's stages (MAX,
+    the others offering ``END``) tells them which."""
 
     def __init__(self, comm, queue: JobQueue | None) -> None:
-        import numpy as np
-        from mpi4py import MPI
-
-        self._MAX = MPI.MAX
-        self.comm, self.queue = comm, queue
-        self.mine = np.zeros(1, dtype=np.int64)
-        self.vote = np.zeros(1, dtype=np.int64)
-        self.req = None
+        self.vote, self.queue = MaxVote(comm), queue
 
     def open(self) -> None:
-        self.mine[0] = self.queue.claim() if self.queue is not None else END
-        self.req = self.comm.Iallreduce(self.mine, self.vote, op=self._MAX)
+        self.vote.start(self.queue.claim() if self.queue is not None else END)
 
     def dealt(self) -> int | None:
-        return int(self.vote[0]) if self.req.Test() else None
+        return int(self.vote.result[0]) if self.vote.done() else None
 
 
 OnStats = Callable[[Job, StageOutcome, list[StageStats]], None]

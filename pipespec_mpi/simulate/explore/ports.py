@@ -156,6 +156,19 @@ class ExReceiver:
         return out
 
 
+def released(port: ExGate | ExDeal, most: int) -> bool:
+    """A collective's result reaching one stage, polled after it is complete: true after 0 to
+    ``most`` more polls, drawn at the first (``port.countdown`` None until then); at once in the
+    fair rounds."""
+    w = port.world
+    if port.countdown is None:
+        port.countdown = w.rng.randint(0, most)
+    if w.fair or port.countdown <= 0:
+        return True
+    port.countdown -= 1
+    return False
+
+
 class ExGate:
     """The start gate of one slot: passes once every stage opened it for this prompt, after a
     delay per stage (the order in which stages leave a barrier is arbitrary); the vote to stop
@@ -179,14 +192,7 @@ class ExGate:
 
     def passed(self) -> bool:
         w = self.world
-        if self.seq not in w.gate_complete:
-            return False
-        if self.countdown is None:
-            self.countdown = w.rng.randint(0, w.sc.gate_delay)
-        if w.fair or self.countdown <= 0:
-            return True
-        self.countdown -= 1
-        return False
+        return self.seq in w.gate_complete and released(self, w.sc.gate_delay)
 
     def stopped(self) -> bool:
         return self.seq in self.world.stop_votes
@@ -213,14 +219,7 @@ class ExDeal:
     def dealt(self) -> int | None:
         w = self.world
         got = w.claims.get((self.me // w.sc.k, self.round))
-        if got is None:
-            return None
-        if self.countdown is None:
-            self.countdown = w.rng.randint(0, w.sc.gate_delay)
-        if w.fair or self.countdown <= 0:
-            return got
-        self.countdown -= 1
-        return None
+        return got if got is not None and released(self, w.sc.gate_delay) else None
 
 
 class ExHandoff:
