@@ -396,6 +396,9 @@ class StageLoop:
         self.cost = self.cost[:keep] + [0.0] * (len(tokens) - keep)
         self.out = tokens
         self.dirty_from = min(self.dirty_from, keep)
+        # an idle flag said "nothing more for the tokens as they were": they changed, so it is
+        # published cleared until this stage decides again (in this same iteration)
+        self.idle = False
         if self.is_scorer:
             self.model.truncate(len(self.prompt) + min(keep, len(self.out) - 1))
         if epoch_changed:
@@ -463,8 +466,13 @@ class StageLoop:
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
+        """The upstream can give no more for our tokens as they are: it says idle, and it has
+        read them (an upstream adopts our committed tokens before it drafts again, so a header
+        shorter than our tokens predates our last commit and its idle flag is stale). Believing
+        a stale flag made the middle stage step on its own while the suffix drafter's answer for
+        its new token was a millisecond away."""
         h = self._read(self.win.header, self.role.upstream)
-        return h.prompt == self.seq and h.idle
+        return h.prompt == self.seq and h.idle and h.length >= len(self.out)
 
     def _read(self, read, rank: int):
         t0 = self.clock.now()

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipespec_mpi.config import SamplingConfig
+from pipespec_mpi.config import DecodeConfig, SamplingConfig
 from pipespec_mpi.speculative.sampling import Sampler
 from pipespec_mpi.speculative.verifiers import AcceptAll, Greedy, Gumbel, Leviathan, make_verifier
-from pipespec_mpi.stage.loop import Mailbox, Step
-from pipespec_mpi.stage.ports import Proposal
+from pipespec_mpi.speculative.policy import Act
+from pipespec_mpi.stage.loop import Forward, Mailbox, StageLoop, StageRole, Step
+from pipespec_mpi.stage.ports import Header, Proposal
 from pipespec_mpi.stage.process import drive
 from pipespec_mpi.stage.wait import StallError
 
@@ -91,3 +92,70 @@ def test_accept_all_accepts_everything():
     logits[2, 4] = 1.0
     v = AcceptAll(Greedy()).verify([0, 0], None, logits, 0).verdict
     assert (v.n_accepted, v.next_token) == (2, 4)
+
+
+class HeaderBoard:
+    """An epochs window as a dict of headers: the test sets what each neighbour published."""
+
+    def __init__(self) -> None:
+        self.headers: dict[int, Header] = {}
+
+    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
+        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle)
+
+    def header(self, rank: int) -> Header:
+        return self.headers.get(rank, Header(-1, 0, 0, False, 0, False))
+
+    def snapshot(self, rank: int):
+        raise AssertionError("the downstream never got ahead in this test")
+
+    def beat(self) -> None:
+        pass
+
+
+class CountingScorer:
+    """Logits that always pick token 7; the forwards asked for are counted by the test."""
+
+    name = "middle"
+
+    def prefill(self, prompt, room=0) -> None:
+        pass
+
+    def logits(self, seq, proposal) -> torch.Tensor:
+        out = torch.zeros(len(proposal) + 1, 16)
+        out[:, 7] = 1.0
+        return out
+
+    def truncate(self, length: int) -> None:
+        pass
+
+
+class Ticks:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        self.t += 1e-3
+        return self.t
+
+
+def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
+    """The middle stage (static, ``wait_for_drafter``) steps on its own only when the drafter
+    says it has nothing for the tokens as they are now: an idle header shorter than the middle
+    stage's tokens was published before the drafter read its last token, so it waits."""
+    board = HeaderBoard()
+    cfg = DecodeConfig(policy="static", wait_for_drafter=True, max_new_tokens=8)
+    role = StageRole(1, 3, rank=1, upstream=0, downstream=2, upstream_free=True)
+    loop = StageLoop(role, CountingScorer(), board, None, None, Ticks(), cfg, eos_token_id=0)
+    loop.reset(1)
+    loop.begin([3, 4], "pipespec", Greedy())
+    board.headers[2] = Header(1, 0, 0, False, 0, False)  # the target: started, nothing committed
+    board.headers[0] = Header(1, 0, 0, False, 0, True)  # the drafter: nothing for the prompt
+    fwd = loop.advance()
+    assert isinstance(fwd, Forward) and fwd.act is Act.OWN
+    loop.complete(fwd, loop.model.logits(fwd.seq, fwd.proposal), 0.0)
+    assert loop.out == [7]
+    assert loop.advance() is Step.WAITING  # the drafter's idle flag predates token 7
+    board.headers[0] = Header(1, 0, 1, False, 0, True)  # it read token 7: still nothing
+    fwd = loop.advance()
+    assert isinstance(fwd, Forward) and fwd.act is Act.OWN
