@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from pipespec_mpi.config import DecodeConfig, SamplingConfig
+from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.speculative.sampling import Sampler
 from pipespec_mpi.speculative.verifiers import AcceptAll, Greedy, Gumbel, Leviathan, make_verifier
-from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Mailbox, StageLoop, StageRole, Step
 from pipespec_mpi.stage.ports import Header, Proposal
 from pipespec_mpi.stage.process import drive
