@@ -468,9 +468,9 @@ class StageLoop:
     def _upstream_idle(self) -> bool:
         """The upstream can give no more for our tokens as they are: it says idle, and it has
         read them (an upstream adopts our committed tokens before it drafts again, so a header
-        shorter than our tokens predates our last commit and its idle flag is stale). Believing
-        a stale flag made the middle stage step on its own while the suffix drafter's answer for
-        its new token was a millisecond away."""
+        shorter than our tokens predates our last commit, and its flag is about an older text).
+        Believing such a flag, the middle stage stepped on its own right after each of its tokens
+        while the suffix drafter's proposal for it was one header read away (docs/protocol.md)."""
         h = self._read(self.win.header, self.role.upstream)
         return h.prompt == self.seq and h.idle and h.length >= len(self.out)
 
