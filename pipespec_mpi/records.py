@@ -90,6 +90,7 @@ class Record:
     max_verify: int | None = None
     policy: str = "static"  # decode.policy the stages decided by (speculative/goodput.py)
     draft_survival: float | None = None  # decode.draft_survival under the adaptive policy
+    draft_min_use: float | None = None  # decode.draft_min_use under the adaptive policy
     max_new_tokens: int  # this job's budget: the row's max_tokens, else decode.max_new_tokens
     transport: str
     epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
@@ -251,6 +252,7 @@ class StageSummary:
     # the adaptive policy (decode.policy=adaptive): waits it chose although it could act, its
     # verifications of fewer proposals than were pending, the times it held its drafting back
     waits_chosen: int = 0
+    waits_joined: int = 0  # of those, given up for a batched forward of the other slots
     verify_cut: int = 0
     drafts_held: int = 0
     # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens

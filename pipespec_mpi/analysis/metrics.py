@@ -139,7 +139,7 @@ class _StageTotals:
         self.model = model
         self.forward_calls = self.rollbacks = self.tokens_discarded = 0
         self.verifications = self.own_steps = self.tokens_generated = 0
-        self.waits_chosen = self.verify_cut = self.drafts_held = 0
+        self.waits_chosen = self.waits_joined = self.verify_cut = self.drafts_held = 0
         self.discarded_s = array("d")  # per record, summed by sum() at the end (``_Group``)
         self.compute_s = array("d")  # busy + prefill, per record, likewise
         self.trace: Counter[tuple[int, int]] = Counter()  # its verify_trace's pairs, counted
@@ -153,6 +153,7 @@ class _StageTotals:
         self.verifications += st.verifications
         self.own_steps += st.own_steps
         self.waits_chosen += st.waits_chosen
+        self.waits_joined += st.waits_joined
         self.verify_cut += st.verify_cut
         self.drafts_held += st.drafts_held
         self.tokens_generated += st.tokens_generated
@@ -177,6 +178,7 @@ class _StageTotals:
             proposals_per_forward=verifs / fwd if fwd else 0.0,
             tokens_per_forward=self.tokens_generated / fwd if fwd else 0.0,
             waits_chosen=self.waits_chosen,
+            waits_joined=self.waits_joined,
             verify_cut=self.verify_cut,
             drafts_held=self.drafts_held,
             drafter=_drafter_rows(self.drafter),

@@ -151,7 +151,8 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                 "tokens_per_target_forward": s.stages[-1].tokens_per_forward,
                 "policy": "-" if m == "ar" else first.policy,
                 "policy_actions": {
-                    i: {"waits": st.waits_chosen, "cut": st.verify_cut, "held": st.drafts_held}
+                    i: {"waits": st.waits_chosen, "joined": st.waits_joined, "cut": st.verify_cut,
+                        "held": st.drafts_held}
                     for i, st in enumerate(s.stages)
                     if st.waits_chosen or st.verify_cut or st.drafts_held
                 },
@@ -195,14 +196,16 @@ def _cells(row: dict) -> list[str]:
         f"{row['tokens_per_target_forward']:.2f}",
         ", ".join(f"{k} {v['mean_accepted']:.2f}" for k, v in row["drafter"].items()) or "-",
         row["policy"],
-        ", ".join(f"{i} {a['waits']}/{a['cut']}/{a['held']}" for i, a in row["policy_actions"].items())
+        ", ".join(
+            f"{i} {a['waits']}/{a['joined']}/{a['cut']}/{a['held']}" for i, a in row["policy_actions"].items()
+        )
         or "-",
     ]
 
 
 TITLES = ("run", "method", "models", "window", "batch", "prompts", "tokens", "ms/token", "tokens/s",
           "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
-          "drafter accepted/proposal", "policy", "waits/cut/held")  # fmt: skip
+          "drafter accepted/proposal", "policy", "waits/joined/cut/held")  # fmt: skip
 NUMBERS = {"window", "batch", "prompts", "tokens", "ms/token", "tokens/s", "speedup", "tokens/target forward"}
 COLUMNS = [Column(t, right=t in NUMBERS) for t in TITLES]
 
@@ -219,8 +222,9 @@ def _footnotes(rows: Sequence[dict]) -> list[str]:
     notes.append("tokens/target forward: tokens the last stage committed per forward (AR: 1)")
     if any(r["policy_actions"] for r in rows):
         notes.append(
-            "waits/cut/held: per stage, what decode.policy=adaptive chose: waits for more proposals "
-            "although it could act, verifications cut short of what was pending, drafting held back"
+            "waits/joined/cut/held: per stage, what decode.policy=adaptive chose: waits for more "
+            "proposals although it could act, those given up to join a batched forward of the other "
+            "slots, verifications cut short of what was pending, drafting held back"
         )
     if any(r["drafter"] for r in rows):
         notes.append("drafter accepted/proposal: a suffix stage 0's tokens accepted per proposal, per source")

@@ -15,8 +15,11 @@
   adaptive (decode.policy) PipeSpec's verifiers choose verify-k / wait / own step by expected
                           tokens per second (speculative/goodput.py); with decode.draft_survival
                           set, a model drafter stops where its tokens are more likely thrown away
-                          than kept and says it is idle, so that no verifier waits for it. The
-                          fixed settings stay as bounds
+                          than kept and says it is idle, so that no verifier waits for it; a
+                          model stage whose verifier does not use its drafts holds likewise. The
+                          fixed settings stay as bounds. A slot of a batched stage whose other
+                          slots' forward runs now (``joining``) does not wait: it joins that
+                          forward (stage/batch.py says why)
 A verifier commits up to n + 1 tokens for n verified: the last stage keeps that within
 ``max_new_tokens``, the others may overshoot their room by the bonus token.
 """
@@ -54,6 +57,7 @@ class View:
     want: int = 0  # SD: this stage's current demand
     upstream_idle: bool = False  # the upstream can give no more now (capped, or no lookup hit)
     upstream_free: bool = False  # the upstream is a model-free drafter (its proposals cost ~nothing)
+    joining: bool = False  # a batched forward of this stage's other slots runs now (stage/batch.py)
     estimates: Estimates | None = None  # adaptive policy: this stage's running estimates
     now: float = 0.0  # the stage's clock (adaptive: how long its upstream has been silent)
 
@@ -92,6 +96,12 @@ def survival_room(v: View, cfg: DecodeConfig) -> int:
     return reach - (v.committed - v.down_committed)
 
 
+def holding(v: View, cfg: DecodeConfig) -> bool:
+    """Adaptive: a model stage (not the last) whose verifier does not use what it drafts holds
+    (goodput.Feed): it neither drafts nor verifies, and says it is idle."""
+    return not v.last and not v.lookup and adaptive(v, cfg) and v.estimates.holding()
+
+
 def decide(v: View, cfg: DecodeConfig) -> Decision:
     """The next action. A verifier's wait can depend on ``upstream_idle``: the caller reads the
     upstream only when the decision says ``upstream_matters``, then decides again."""
@@ -102,7 +112,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         return Decision(Act.WAIT, want=v.want)
     if v.method == "ar":
         return Decision(Act.OWN)
-    held = survival_room(v, cfg)
+    held = 0 if holding(v, cfg) else survival_room(v, cfg)
     if held <= 0:  # held by its own choice: idle, so that no verifier waits for it
         return Decision(Act.WAIT, want=v.want, idle=True)
     r = min(r, held)
@@ -122,7 +132,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         if limit < 1:
             return Decision(Act.OWN)
         est = v.estimates
-        most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
+        most_wait = 0 if v.upstream_idle or v.joining else min(limit, cfg.max_run_ahead)
         c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(),
                    est.wait_gap(v.now))  # fmt: skip
         if c.act == "verify":

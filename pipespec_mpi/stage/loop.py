@@ -127,9 +127,12 @@ class StageLoop:
         # adaptive policy's wait stops paying as the upstream stays silent); None: on change only.
         # A rank's driver polls every millisecond anyway; the simulator wakes the stage then
         self.recheck_at: float | None = None
+        self.waits_for_upstream = False  # the last iteration waited for more proposals by choice
         # the adaptive policy's running estimates, kept across prompts (speculative/goodput.py)
         self.est = (
-            Estimates(decode.accept_prior, decode.estimate_rate) if decode.policy == "adaptive" else None
+            Estimates(decode.accept_prior, decode.estimate_rate, decode.draft_min_use)
+            if decode.policy == "adaptive"
+            else None
         )
 
     # ------------------------------------------------------------------ prompt boundaries
@@ -142,6 +145,7 @@ class StageLoop:
         # committed (0: adopted from it); tokens before ``fated`` had their fate recorded
         self.fated = 0
         self.sent = self.dirty_from = 0
+        self.accepted = 0  # proposal tokens committed by accepting them (published: goodput.Feed)
         self.want, self.idle = 0, False
         self.published = (0, False)
         self.down: Header | None = None
@@ -201,11 +205,14 @@ class StageLoop:
         t0 = self.clock.now()
         return self.complete(fwd, self.model.logits(fwd.seq, fwd.proposal), t0)
 
-    def advance(self) -> Step | Forward:
+    def advance(self, joining: bool = False) -> Step | Forward:
         """One iteration up to its forward: a ``Step``, or the ``Forward`` this stage decided on,
         which the driver runs (alone, or batched with other sequences' forwards on the same
         weights) and hands to ``complete``. Nothing else happens in between, so a batched
-        iteration is the same iteration as ``step``'s."""
+        iteration is the same iteration as ``step``'s. ``joining``: a batched forward of the
+        stage's other slots runs now, so the adaptive policy does not wait for more proposals
+        (``waits_for_upstream`` says when an iteration did: stage/batch.py asks it again)."""
+        self.waits_for_upstream = False
         if self.finish_reason is not None:
             return Step.DONE
         self.win.beat()
@@ -222,8 +229,9 @@ class StageLoop:
         if self.role.is_last and self._capped:
             self.finish_reason = "eos" if self.out[-1] == self.eos else "length"
             return Step.DONE
-        d = self._decide()
+        d = self._decide(joining)
         self.want, self.idle = d.want, d.idle
+        self.waits_for_upstream = self.est is not None and d.act is Act.WAIT and d.upstream_matters
         t = self.clock.now()
         self.recheck_at = None
         if d.act is Act.WAIT and d.upstream_matters and self.est is not None:
@@ -261,13 +269,14 @@ class StageLoop:
             self._send_owed()
         return Step.ACTED
 
-    def _decide(self) -> Decision:
+    def _decide(self, joining: bool = False) -> Decision:
         down = self.down
         v = View(
             method=self.method, first=self.role.upstream is None, last=self.role.is_last,
             lookup=not self.is_scorer, committed=len(self.out), capped=self._capped,
             down_committed=down.length if down else 0, down_want=down.want if down else 0,
             pending=len(self.inbox.tokens), want=self.want, upstream_free=self.role.upstream_free,
+            joining=joining,
         )  # fmt: skip
         if self.est is not None:
             v = replace(v, estimates=self.est, now=self.clock.now())
@@ -281,6 +290,8 @@ class StageLoop:
     def _count_choice(self, v: View, d: Decision) -> None:
         """What the adaptive policy chose where the static rule would have acted at once (a wait
         counts once, when it starts)."""
+        if v.joining and d.act in (Act.VERIFY, Act.OWN):
+            self.stats.waits_joined += 1
         if d.act is Act.VERIFY and d.n < v.pending:
             self.stats.verify_cut += 1
         elif d.act is Act.WAIT and self.wait_t0 is None:
@@ -335,13 +346,15 @@ class StageLoop:
         if self.est is not None:
             self.est.verified(n, verdict.n_accepted)
             self.est.forward(n, t1 - t0, t1)
-        self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
+        kept = self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
+        self.accepted += min(verdict.n_accepted, kept)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
             self._bump_epoch()
         self._spent(t0, t1, "verify", n)
 
-    def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> None:
+    def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> int:
+        """Commit ``tokens`` (up to EOS and the budget); how many were."""
         if self.eos in tokens:
             tokens = tokens[: tokens.index(self.eos) + 1]
         tokens = tokens[: self.limit - len(self.out)]
@@ -357,6 +370,7 @@ class StageLoop:
         self.stats.tokens_generated += len(tokens)
         if self.role.is_last:
             self.stats.commit_times.append([round(self.clock.now() - self.t_start, 6), len(self.out)])
+        return len(tokens)
 
     # ------------------------------------------------------------------ neighbours
     def _sync_downstream(self) -> tuple[bool, bool]:
@@ -368,6 +382,8 @@ class StageLoop:
         self.down = h
         if h.done:
             return True, False
+        if self.est is not None:
+            self.est.feed.seen(h.prompt, h.length, h.accepted)
         if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
             self._fates(len(self.out), h.length)
             return False, False
@@ -506,7 +522,7 @@ class StageLoop:
     def _publish(self, done: bool = False) -> None:
         self.win.publish(
             prompt=self.seq, epoch=self.epoch, tokens=self.out, dirty_from=self.dirty_from,
-            done=done, want=self.want, idle=self.idle,
+            done=done, want=self.want, idle=self.idle, accepted=self.accepted,
         )  # fmt: skip
         self.dirty_from = len(self.out)
         self.published = (self.want, self.idle)

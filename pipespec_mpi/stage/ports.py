@@ -41,6 +41,7 @@ class Header:
     done: bool
     want: int
     idle: bool
+    accepted: int = 0  # proposal tokens it committed by accepting them, this prompt
 
 
 class Clock(Protocol):
@@ -53,7 +54,7 @@ class Window(Protocol):
 
     def publish(
         self, *, prompt: int, epoch: int, tokens: Sequence[int], dirty_from: int,
-        done: bool = False, want: int = 0, idle: bool = False,
+        done: bool = False, want: int = 0, idle: bool = False, accepted: int = 0,
     ) -> None: ...  # fmt: skip
 
     def header(self, rank: int) -> Header: ...

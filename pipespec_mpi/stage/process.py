@@ -100,9 +100,9 @@ class StageProcess:
         s = self.advance()
         return self.loop.run_forward(s) if isinstance(s, Forward) else s
 
-    def advance(self) -> Step | Forward:
-        """One step up to the stage loop's forward (``StageLoop.advance``), which the driver runs
-        and hands to ``complete``."""
+    def advance(self, joining: bool = False) -> Step | Forward:
+        """One step up to the stage loop's forward (``StageLoop.advance``, ``joining`` passed
+        to it), which the driver runs and hands to ``complete``."""
         if self.phase == "next":
             self.deal.open()
             self.phase = "deal"
@@ -135,7 +135,7 @@ class StageProcess:
             self.phase = "decode"
             return Step.PROGRESS
         if self.phase == "decode":
-            s = self.loop.advance()
+            s = self.loop.advance(joining)
             if s is not Step.DONE:
                 return s
             self.handoff.post(self.job, self.loop.finish())

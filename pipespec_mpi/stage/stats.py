@@ -25,8 +25,10 @@ class StageStats:
     discarded_s: float = 0.0  # compute time spent on those tokens
     dropped_messages: int = 0  # proposals of an old epoch or prompt
     # the adaptive policy (decode.policy=adaptive): waits for more proposals it chose although it
-    # could act, verifications of fewer proposals than were pending, drafting held back by survival
+    # could act, verifications of fewer proposals than were pending, drafting held back by survival;
+    # chosen waits given up for a batched forward of the other slots (stage/batch.py)
     waits_chosen: int = 0
+    waits_joined: int = 0
     verify_cut: int = 0
     drafts_held: int = 0
     policy_state: dict = field(default_factory=dict)  # adaptive: its estimates at the end (goodput.py)

@@ -122,9 +122,10 @@ def test_a_forward_timed_at_zero_still_costs(monkeypatch, family, seed):
 
 
 def test_the_adaptive_families_take_every_decision_of_the_policy():
-    """Across a slice of seeds the adaptive policy waits, cuts verifications and holds drafters
-    (estimates drawn anew at every decision, or learned on drifting clocks)."""
-    seen = {"waits_chosen": 0, "verify_cut": 0, "drafts_held": 0, "own_steps": 0}
+    """Across a slice of seeds the adaptive policy waits, gives a wait up to join a batched
+    forward, cuts verifications and holds drafters (estimates drawn anew at every decision, or
+    learned on drifting clocks)."""
+    seen = {"waits_chosen": 0, "waits_joined": 0, "verify_cut": 0, "drafts_held": 0, "own_steps": 0}
     for family in ("pipespec-greedy-adaptive", "pipespec-gumbel-adaptive"):
         for seed in range(40):
             world = World(Scenario.draw(family, seed))

@@ -100,8 +100,10 @@ class HeaderBoard:
     def __init__(self) -> None:
         self.headers: dict[int, Header] = {}
 
-    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
-        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle)
+    def publish(
+        self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False, accepted=0
+    ) -> None:
+        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle, accepted)
 
     def header(self, rank: int) -> Header:
         return self.headers.get(rank, Header(-1, 0, 0, False, 0, False))
