@@ -30,11 +30,11 @@ next rollback.
 A model drafter also watches whether its verifier uses what it drafts (``Feed``): the share of the
 verifier's committed tokens it accepted from this stage's proposals (the verifier publishes how many
 it accepted beside its length). Under ``decode.draft_min_use`` over a window of the verifier's
-tokens, the drafter holds (drafts and verifies nothing, idle) for a stretch of the verifier's tokens,
-then probes again; each failed probe doubles the stretch. Its tokens then arrive after the verifier
-committed those positions itself: on the 2-core EPYC, batch 16, the int8 middle stage's batched
-forward cost what the target's did and the target accepted 3% of its tokens from it, while its
-forwards, beside the target's on shared memory, made the target's 20% slower.
+tokens, the drafter holds (drafts and verifies nothing, idle) for the rest of the prompt and sits
+out the next prompts (1, 2, 4, up to 8 while it keeps failing), without even encoding them. Its
+tokens arrive after the verifier committed those positions itself where its forwards cost what the
+verifier's do: on the 2-core EPYC at batch 16 the int8 middle stage's batched forward cost what the
+target's did, and the target accepted 3% of its tokens from it.
 
 Every estimate is an exponential average (weight ``rate``) that starts from a prior: acceptance
 ``accept_prior`` (a position first observed starts from the one before it, one never observed
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
 FEED_WINDOW = 16  # verifier tokens over which a drafter judges whether its proposals are used
-FEED_HOLD = (16, 256)  # verifier tokens a drafter holds after a failed judgement: first, most
+FEED_SKIP = 8  # most prompts a drafter sits out after failed judgements in a row (1, 2, 4, 8)
 MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
 OPTIMISM = 0.5  # g_w before any wait was measured, as a share of g (so that one wait is tried)
 
@@ -166,33 +166,45 @@ def draft_reach(survival: Sequence[float], threshold: float, most: int) -> int:
 
 
 class Feed:
-    """Whether a model drafter's proposals are used by its verifier (the module's notation block):
-    ``seen`` at every read of the verifier's header, ``holding`` says whether to hold. Counts only
-    the verifier's progress within a prompt (a rollback or a new prompt starts from what it reads)."""
+    """Whether a model drafter's proposals are used by its verifier (the module's notation block).
+    ``start`` at each prompt says whether to sit it out; ``seen`` at every read of the verifier's
+    header judges each window of FEED_WINDOW of the verifier's tokens. A failed judgement holds
+    for the rest of the prompt (a drafter that came back would first re-encode every token it
+    skipped, which cost what drafting them would have) and sits out the next prompt, the next two
+    after a second failure in a row, ... up to FEED_SKIP; a window that passes resets that."""
 
     def __init__(self, min_use: float) -> None:
         self.min_use = min_use
         self.holding = False
-        self.hold_next = FEED_HOLD[0]  # the next hold's length
-        self.stretch = FEED_WINDOW  # verifier tokens of the current judgement or hold
-        self.progress = self.used = 0  # verifier tokens committed / accepted from us, this stretch
-        self.last: tuple[int, int, int] | None = None  # (prompt, length, accepted) read last
+        self.skip_next = 1  # prompts to sit out after the next failure
+        self.skip_left = 0  # prompts still to sit out
+        self.prompt: int | None = None
+        self.progress = self.used = 0  # verifier tokens committed / accepted from us, this window
+        self.last: tuple[int, int] | None = None  # (length, accepted) read last, this prompt
+
+    def start(self, prompt: int) -> bool:
+        """Prompt ``prompt`` starts: whether this stage sits it out (holds from its start)."""
+        self.prompt, self.last = prompt, None
+        self.progress = self.used = 0
+        self.holding = self.min_use > 0 and self.skip_left > 0
+        self.skip_left -= int(self.holding)
+        return self.holding
 
     def seen(self, prompt: int, length: int, accepted: int) -> None:
-        last, self.last = self.last, (prompt, length, accepted)
-        if self.min_use <= 0 or last is None or last[0] != prompt or length < last[1]:
+        if self.min_use <= 0 or self.holding or prompt != self.prompt:
             return
-        self.progress += length - last[1]
-        self.used += max(0, accepted - last[2])
-        if self.progress < self.stretch:
+        last, self.last = self.last, (length, accepted)
+        if last is None or length < last[0]:  # a rollback of a middle verifier: count from here
             return
-        if self.holding:  # a probe: draft again and judge
-            self.holding, self.stretch = False, FEED_WINDOW
-        elif self.used < self.min_use * self.progress:
-            self.holding, self.stretch = True, self.hold_next
-            self.hold_next = min(2 * self.hold_next, FEED_HOLD[1])
+        self.progress += length - last[0]
+        self.used += max(0, accepted - last[1])
+        if self.progress < FEED_WINDOW:
+            return
+        if self.used < self.min_use * self.progress:
+            self.holding, self.skip_left = True, self.skip_next
+            self.skip_next = min(2 * self.skip_next, FEED_SKIP)
         else:
-            self.hold_next = FEED_HOLD[0]
+            self.skip_next = 1
         self.progress = self.used = 0
 
 

@@ -175,8 +175,9 @@ class StageLoop:
             return
         # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
         room = self.limit + self.cfg.max_verify + 1
-        if self.is_scorer:
-            self.model.prefill(self.prompt, room=room)
+        sits_out = self.est is not None and self.est.feed.start(self.seq)  # goodput.Feed
+        if self.is_scorer:  # a stage sitting the prompt out encodes it only if it computes after all
+            self.model.prefill(self.prompt, room=room, encode=not (sits_out and not self.role.is_last))
         else:  # a drafter's job store is the method's own (models/suffix.py)
             self.model.prefill(self.prompt, room=room, store_key=method)
         t1 = self.clock.now()

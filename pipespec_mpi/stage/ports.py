@@ -87,10 +87,11 @@ class Scorer(Protocol):
 
     name: str
 
-    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0, encode: bool = True) -> None:
         """Start a new sequence: reset the cache and encode all but the last prompt token.
 
         ``room``: how many positions the sequence may grow beyond the prompt (sizes the cache).
+        ``encode`` False: only reset; the first forward encodes the prompt with what follows it.
         """
 
     def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:

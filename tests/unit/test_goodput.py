@@ -8,7 +8,7 @@ import pytest
 
 from pipespec_mpi.config import DecodeConfig, validate_decode
 from pipespec_mpi.speculative.goodput import (
-    FEED_HOLD,
+    FEED_SKIP,
     FEED_WINDOW,
     MAX_POSITIONS,
     Estimates,
@@ -172,7 +172,9 @@ def test_an_adaptive_drafter_is_held_by_survival_and_says_it_is_idle():
 def read_along(feed: Feed, prompt: int, steps: int, used_every: int, start: int = 0) -> int:
     """The verifier commits one token per read, one in ``used_every`` of them accepted from our
     proposals (0: none); returns the length reached."""
-    acc = 0
+    acc = feed.last[1] if feed.last else 0
+    if start == 0:
+        feed.seen(prompt, 0, 0)
     for n in range(start + 1, start + steps + 1):
         acc += 1 if used_every and n % used_every == 0 else 0
         feed.seen(prompt, n, acc)
@@ -181,51 +183,56 @@ def read_along(feed: Feed, prompt: int, steps: int, used_every: int, start: int 
 
 def test_a_drafter_whose_drafts_are_used_never_holds():
     feed = Feed(min_use=0.15)
-    feed.seen(1, 0, 0)
-    read_along(feed, 1, 10 * FEED_WINDOW, used_every=2)
-    assert not feed.holding
+    for prompt in range(3):
+        assert not feed.start(prompt)
+        read_along(feed, prompt, 10 * FEED_WINDOW, used_every=2)
+        assert not feed.holding
 
 
-def test_a_drafter_whose_drafts_are_not_used_holds_and_probes_less_and_less_often():
+def test_a_drafter_whose_drafts_are_not_used_holds_for_the_prompt_and_sits_out_more_and_more():
     feed = Feed(min_use=0.15)
-    feed.seen(1, 0, 0)
-    n = read_along(feed, 1, FEED_WINDOW - 1, used_every=0)
+    feed.start(0)
+    n = read_along(feed, 0, FEED_WINDOW - 1, used_every=0)
     assert not feed.holding  # judged only over a whole window
-    n = read_along(feed, 1, 1, used_every=0, start=n)
-    assert feed.holding
-    holds = []
-    for _ in range(6):  # hold, probe (still unused), hold longer...
-        length = 0
-        while feed.holding:
-            n = read_along(feed, 1, 1, used_every=0, start=n)
-            length += 1
-        holds.append(length)
-        n = read_along(feed, 1, FEED_WINDOW, used_every=0, start=n)
+    read_along(feed, 0, 1, used_every=0, start=n)
+    assert feed.holding and feed.skip_left == 1
+    runs = [0]  # prompts sat out after each failed try
+    for prompt in range(1, 20):
+        if feed.start(prompt):
+            runs[-1] += 1
+            read_along(feed, prompt, 3 * FEED_WINDOW, used_every=0)  # a held stage judges nothing
+            assert feed.holding
+            continue
+        runs.append(0)
+        read_along(feed, prompt, FEED_WINDOW, used_every=0)
         assert feed.holding
-    assert holds == [16, 32, 64, 128, 256, 256] and holds[0] == FEED_HOLD[0] and holds[-1] == FEED_HOLD[1]
+    assert runs[:4] == [1, 2, 4, FEED_SKIP]
 
 
-def test_a_successful_probe_ends_the_hold_and_resets_its_length():
+def test_a_window_that_pays_resets_the_sitting_out():
     feed = Feed(min_use=0.15)
-    feed.seen(1, 0, 0)
-    n = read_along(feed, 1, FEED_WINDOW, used_every=0)
-    n = read_along(feed, 1, FEED_HOLD[0], used_every=0, start=n)  # the hold ends: a probe
-    assert not feed.holding and feed.hold_next == 2 * FEED_HOLD[0]
-    n = read_along(feed, 1, FEED_WINDOW, used_every=3, start=n)  # a third used: drafting pays
-    assert not feed.holding and feed.hold_next == FEED_HOLD[0]
+    feed.start(0)
+    read_along(feed, 0, FEED_WINDOW, used_every=0)  # fails: sits out prompt 1
+    assert feed.start(1) and not feed.start(2)
+    read_along(feed, 2, FEED_WINDOW, used_every=0)  # fails again: sits out 2 prompts
+    assert feed.skip_left == 2 and feed.skip_next == 4
+    assert feed.start(3) and feed.start(4) and not feed.start(5)
+    read_along(feed, 5, FEED_WINDOW, used_every=3)  # a third used: drafting pays
+    assert not feed.holding and feed.skip_next == 1
 
 
-def test_a_feed_counts_progress_within_a_prompt_only_and_can_be_switched_off():
+def test_a_feed_counts_progress_within_its_prompt_only_and_can_be_switched_off():
     feed = Feed(min_use=0.15)
-    feed.seen(1, 40, 0)
-    feed.seen(2, 0, 0)  # a new prompt: not 40 tokens back
+    feed.start(2)
+    feed.seen(1, 40, 0)  # the previous prompt's header: not counted
+    feed.seen(2, 0, 0)
     feed.seen(2, 3, 3)
-    feed.seen(2, 1, 1)  # a rollback of a middle verifier: starts again from here
+    feed.seen(2, 1, 1)  # a rollback of a middle verifier: counts again from here
     assert (feed.progress, feed.used) == (3, 3)
     off = Feed(min_use=0.0)
-    off.seen(1, 0, 0)
+    off.start(1)
     read_along(off, 1, 10 * FEED_WINDOW, used_every=0)
-    assert not off.holding
+    assert not off.holding and not off.start(2)
 
 
 def test_a_model_drafter_that_holds_drafts_and_verifies_nothing_and_says_it_is_idle():

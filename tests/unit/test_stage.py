@@ -120,7 +120,7 @@ class CountingScorer:
 
     name = "middle"
 
-    def prefill(self, prompt, room=0) -> None:
+    def prefill(self, prompt, room=0, encode=True) -> None:
         pass
 
     def logits(self, seq, proposal) -> torch.Tensor:
