@@ -90,7 +90,6 @@ class Record:
     max_verify: int | None = None
     policy: str = "static"  # decode.policy the stages decided by (speculative/goodput.py)
     draft_survival: float | None = None  # decode.draft_survival under the adaptive policy
-    draft_min_use: float | None = None  # decode.draft_min_use under the adaptive policy
     max_new_tokens: int  # this job's budget: the row's max_tokens, else decode.max_new_tokens
     transport: str
     epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded

@@ -8,8 +8,6 @@ Each rank exposes one int64 window: a header, then its committed (generated) tok
   header[3] done     1 when the pipeline finished this prompt (set by the last stage, relayed up)
   header[4] want     SD only: the position up to which this stage wants proposals (0 = none)
   header[5] idle     1 when this stage cannot produce more right now (cap reached, no lookup hit)
-  header[6] accepted proposal tokens this stage has committed by accepting them, this prompt (its
-                     upstream compares it with the length: is what it drafts being used?)
 
 Three implementations with one interface:
 
@@ -41,11 +39,10 @@ import numpy as np
 
 from pipespec_mpi.stage.ports import Header
 
-HEADER = 9
-PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE, ACCEPTED = range(7)
-FIELDS = 7  # the published fields, before the two the window keeps itself
-BEAT = 7  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
-SEQ = 8  # sequence lock of the shared window
+HEADER = 8
+PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE = range(6)
+BEAT = 6  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
+SEQ = 7  # sequence lock of the shared window
 
 
 def now_ms() -> int:
@@ -55,7 +52,7 @@ def now_ms() -> int:
 def read_header(raw: np.ndarray) -> Header:
     """The header fields of a window's raw int64 words."""
     return Header(int(raw[PROMPT]), int(raw[EPOCH]), int(raw[LENGTH]), bool(raw[DONE]),
-                  int(raw[WANT]), bool(raw[IDLE]), int(raw[ACCEPTED]))  # fmt: skip
+                  int(raw[WANT]), bool(raw[IDLE]))  # fmt: skip
 
 
 def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty_from: int, header) -> None:
@@ -65,7 +62,7 @@ def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty
         raise ValueError(f"{n} committed tokens exceed the window's {max_tokens}")
     if dirty_from < n:
         local[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
-    local[:FIELDS] = header
+    local[:6] = header
 
 
 class EpochWindow:
@@ -108,10 +105,9 @@ class EpochWindow:
         done: bool = False,
         want: int = 0,
         idle: bool = False,
-        accepted: int = 0,
     ) -> None:
         """Write tokens[dirty_from:] and the header into this rank's window."""
-        header = (prompt, epoch, len(tokens), int(done), want, int(idle), accepted)
+        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
         with self.locked(self.rank, exclusive=True):
             write_state(self.local, self.max_tokens, tokens, dirty_from, header)
 
@@ -189,9 +185,8 @@ class SharedEpochWindow:
         done: bool = False,
         want: int = 0,
         idle: bool = False,
-        accepted: int = 0,
     ) -> None:
-        header = (prompt, epoch, len(tokens), int(done), want, int(idle), accepted)
+        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
         loc = self.local
         loc[SEQ] += 1  # odd: writing
         self.win.Sync()
@@ -286,7 +281,6 @@ class PushedEpochWindow:
         done: bool = False,
         want: int = 0,
         idle: bool = False,
-        accepted: int = 0,
     ) -> None:
         n = len(tokens)
         if n > self.max_tokens:
@@ -294,7 +288,7 @@ class PushedEpochWindow:
         self._reap()
         dirty_from = min(dirty_from, n)
         full = np.empty(HEADER + 1 + n - dirty_from, dtype=np.int64)
-        full[:FIELDS] = (prompt, epoch, n, int(done), want, int(idle), accepted)
+        full[:6] = (prompt, epoch, n, int(done), want, int(idle))
         full[BEAT], full[SEQ], full[HEADER] = now_ms(), 0, dirty_from
         full[HEADER + 1 :] = tokens[dirty_from:]
         for r in self.readers:

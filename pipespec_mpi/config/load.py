@@ -284,7 +284,7 @@ def validate_decode(d: DecodeConfig, sd_needed: bool) -> list[str]:
         p.append(f"decode.batch_verify_rows={d.batch_verify_rows}: must be null or an integer >= 2")
     if d.policy not in POLICIES:
         p.append(f"decode.policy={d.policy!r}: must be one of {', '.join(POLICIES)}")
-    for key in ("draft_survival", "draft_min_use", "accept_prior"):
+    for key in ("draft_survival", "accept_prior"):
         v = getattr(d, key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
             p.append(f"decode.{key}={v!r}: must be a number in 0..1")

@@ -156,12 +156,6 @@ class DecodeConfig:
     # while the estimated chance that such a token is kept is at least this (0: up to max_run_ahead).
     # Off by default: in the paper's setting (a GPU per stage, simulated) 0.5 cost 2.31x -> 2.10x AR
     # for 1B -> 8B -> 70B, and on the 2-core EPYC the int8 middle stage (kept 96-98%) never hit it
-    draft_min_use: float = 0.15  # adaptive: a model stage (not the last) holds, drafting and
-    # verifying nothing, while fewer than this share of its verifier's last 16 committed tokens were
-    # accepted from its proposals; it tries again after 16 of the verifier's tokens, 32 after a
-    # second failure, ... up to 256 (speculative/goodput.py Feed; 0: never). On the 2-core EPYC at
-    # batch 16 the target accepted 3% of its tokens from the int8 middle stage, whose forwards made
-    # its own 20% slower; batch 1 on code: 70%
     accept_prior: float = 0.6  # adaptive: each draft position's acceptance before it was observed
     estimate_rate: float = 0.1  # adaptive: the weight of a new observation in every running estimate
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes

@@ -47,10 +47,10 @@ class KVScorer:
         n = getattr(self.model.config, "max_position_embeddings", None)
         return int(n) if n else None
 
-    def prefill(self, prompt: Sequence[int], room: int = 0, encode: bool = True) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
         self._cache = preallocated_cache(self.model.config, len(prompt) + room)
         self._len = 0
-        if encode and len(prompt) > 1:
+        if len(prompt) > 1:
             self._forward(list(prompt[:-1]), keep=1)
 
     @torch.inference_mode()

@@ -178,7 +178,6 @@ class RecordAssembler:
             max_verify=cfg.decode.max_verify,
             policy=cfg.decode.policy,
             draft_survival=cfg.decode.draft_survival if cfg.decode.policy == "adaptive" else None,
-            draft_min_use=cfg.decode.draft_min_use if cfg.decode.policy == "adaptive" else None,
             max_new_tokens=job.max_new_tokens or cfg.decode.max_new_tokens,
             transport=self.transport,
             epochs_window=self.epochs_window,

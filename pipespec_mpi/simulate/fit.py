@@ -141,7 +141,6 @@ def simulate_record(
         max_verify=rec.max_verify or max_verify,
         policy=rec.policy,
         draft_survival=rec.draft_survival if rec.draft_survival is not None else DecodeConfig.draft_survival,
-        draft_min_use=rec.draft_min_use if rec.draft_min_use is not None else 0.0,
     )
     cfg = SimConfig(
         method=rec.method,

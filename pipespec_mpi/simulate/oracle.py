@@ -211,12 +211,11 @@ class OracleScorer:
         self.prompt_len = 0
         self.vocab_size = oracle.vocab
 
-    def prefill(self, prompt: Sequence[int], room: int = 0, encode: bool = True) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
         self.prompt_len = len(prompt)
-        self.cache = list(prompt[:-1]) if encode else []
+        self.cache = list(prompt[:-1])
         self.hashes.start(prompt)
-        if encode:
-            self.compute.prefill(len(prompt))
+        self.compute.prefill(len(prompt))
 
     def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:
         seq = list(seq)

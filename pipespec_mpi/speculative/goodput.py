@@ -27,15 +27,6 @@ last) drafts position d ahead of its verifier only while q_d >= it: a token more
 away than kept costs compute (on shared cores, its neighbours') and delays its reaction to the
 next rollback.
 
-A model drafter also watches whether its verifier uses what it drafts (``Feed``): the share of the
-verifier's committed tokens it accepted from this stage's proposals (the verifier publishes how many
-it accepted beside its length). Under ``decode.draft_min_use`` over a window of the verifier's
-tokens, the drafter holds (drafts and verifies nothing, idle) for the rest of the prompt and sits
-out the next prompts (1, 2, 4, up to 8 while it keeps failing), without even encoding them. Its
-tokens arrive after the verifier committed those positions itself where its forwards cost what the
-verifier's do: on the 2-core EPYC at batch 16 the int8 middle stage's batched forward cost what the
-target's did, and the target accepted 3% of its tokens from it.
-
 Every estimate is an exponential average (weight ``rate``) that starts from a prior: acceptance
 ``accept_prior`` (a position first observed starts from the one before it, one never observed
 reads as the last observed, and one not judged by a verification drifts towards the acceptance of
@@ -54,8 +45,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
-FEED_WINDOW = 16  # verifier tokens over which a drafter judges whether its proposals are used
-FEED_SKIP = 8  # most prompts a drafter sits out after failed judgements in a row (1, 2, 4, 8)
 MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
 OPTIMISM = 0.5  # g_w before any wait was measured, as a share of g (so that one wait is tried)
 
@@ -165,55 +154,11 @@ def draft_reach(survival: Sequence[float], threshold: float, most: int) -> int:
     return most
 
 
-class Feed:
-    """Whether a model drafter's proposals are used by its verifier (the module's notation block).
-    ``start`` at each prompt says whether to sit it out; ``seen`` at every read of the verifier's
-    header judges each window of FEED_WINDOW of the verifier's tokens. A failed judgement holds
-    for the rest of the prompt (a drafter that came back would first re-encode every token it
-    skipped, which cost what drafting them would have) and sits out the next prompt, the next two
-    after a second failure in a row, ... up to FEED_SKIP; a window that passes resets that."""
-
-    def __init__(self, min_use: float) -> None:
-        self.min_use = min_use
-        self.holding = False
-        self.skip_next = 1  # prompts to sit out after the next failure
-        self.skip_left = 0  # prompts still to sit out
-        self.prompt: int | None = None
-        self.progress = self.used = 0  # verifier tokens committed / accepted from us, this window
-        self.last: tuple[int, int] | None = None  # (length, accepted) read last, this prompt
-
-    def start(self, prompt: int) -> bool:
-        """Prompt ``prompt`` starts: whether this stage sits it out (holds from its start)."""
-        self.prompt, self.last = prompt, None
-        self.progress = self.used = 0
-        self.holding = self.min_use > 0 and self.skip_left > 0
-        self.skip_left -= int(self.holding)
-        return self.holding
-
-    def seen(self, prompt: int, length: int, accepted: int) -> None:
-        if self.min_use <= 0 or self.holding or prompt != self.prompt:
-            return
-        last, self.last = self.last, (length, accepted)
-        if last is None or length < last[0]:  # a rollback of a middle verifier: count from here
-            return
-        self.progress += length - last[0]
-        self.used += max(0, accepted - last[1])
-        if self.progress < FEED_WINDOW:
-            return
-        if self.used < self.min_use * self.progress:
-            self.holding, self.skip_left = True, self.skip_next
-            self.skip_next = min(2 * self.skip_next, FEED_SKIP)
-        else:
-            self.skip_next = 1
-        self.progress = self.used = 0
-
-
 class Estimates:
     """One stage's running estimates (see the notation above); kept across prompts."""
 
-    def __init__(self, accept_prior: float, rate: float, min_use: float = 0.0) -> None:
+    def __init__(self, accept_prior: float, rate: float) -> None:
         self.rate = rate
-        self.feed = Feed(min_use)  # a model drafter: is what it drafts used?
         self.accept = [accept_prior] * MAX_POSITIONS
         self.pooled = accept_prior  # every judged position alike
         self.seen = 0  # draft positions observed at least once (1..seen); the later ones read as
@@ -318,10 +263,6 @@ class Estimates:
             "accept": [round(a, 3) for a in self.acceptance()[:positions]],
             "survival": [round(q, 3) for q in self.survival[:positions]],
         }
-
-    def holding(self) -> bool:
-        """A model drafter: hold, its verifier does not use what it drafts (``Feed``)."""
-        return self.feed.holding
 
     def gap(self) -> float | None:
         """g (None until two arrivals were seen)."""

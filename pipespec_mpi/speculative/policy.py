@@ -15,8 +15,7 @@
   adaptive (decode.policy) PipeSpec's verifiers choose verify-k / wait / own step by expected
                           tokens per second (speculative/goodput.py); with decode.draft_survival
                           set, a model drafter stops where its tokens are more likely thrown away
-                          than kept and says it is idle, so that no verifier waits for it; a
-                          model stage whose verifier does not use its drafts holds likewise. The
+                          than kept and says it is idle, so that no verifier waits for it. The
                           fixed settings stay as bounds. A slot of a batched stage whose other
                           slots' forward runs now (``joining``) does not wait: it joins that
                           forward (stage/batch.py says why)
@@ -96,12 +95,6 @@ def survival_room(v: View, cfg: DecodeConfig) -> int:
     return reach - (v.committed - v.down_committed)
 
 
-def holding(v: View, cfg: DecodeConfig) -> bool:
-    """Adaptive: a model stage (not the last) whose verifier does not use what it drafts holds
-    (goodput.Feed): it neither drafts nor verifies, and says it is idle."""
-    return not v.last and not v.lookup and adaptive(v, cfg) and v.estimates.holding()
-
-
 def decide(v: View, cfg: DecodeConfig) -> Decision:
     """The next action. A verifier's wait can depend on ``upstream_idle``: the caller reads the
     upstream only when the decision says ``upstream_matters``, then decides again."""
@@ -112,7 +105,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         return Decision(Act.WAIT, want=v.want)
     if v.method == "ar":
         return Decision(Act.OWN)
-    held = 0 if holding(v, cfg) else survival_room(v, cfg)
+    held = survival_room(v, cfg)
     if held <= 0:  # held by its own choice: idle, so that no verifier waits for it
         return Decision(Act.WAIT, want=v.want, idle=True)
     r = min(r, held)

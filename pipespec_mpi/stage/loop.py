@@ -130,9 +130,7 @@ class StageLoop:
         self.waits_for_upstream = False  # the last iteration waited for more proposals by choice
         # the adaptive policy's running estimates, kept across prompts (speculative/goodput.py)
         self.est = (
-            Estimates(decode.accept_prior, decode.estimate_rate, decode.draft_min_use)
-            if decode.policy == "adaptive"
-            else None
+            Estimates(decode.accept_prior, decode.estimate_rate) if decode.policy == "adaptive" else None
         )
 
     # ------------------------------------------------------------------ prompt boundaries
@@ -145,7 +143,6 @@ class StageLoop:
         # committed (0: adopted from it); tokens before ``fated`` had their fate recorded
         self.fated = 0
         self.sent = self.dirty_from = 0
-        self.accepted = 0  # proposal tokens committed by accepting them (published: goodput.Feed)
         self.want, self.idle = 0, False
         self.published = (0, False)
         self.down: Header | None = None
@@ -175,9 +172,8 @@ class StageLoop:
             return
         # the sequence reaches prompt + max_new_tokens, plus a proposal under verification
         room = self.limit + self.cfg.max_verify + 1
-        sits_out = self.est is not None and self.est.feed.start(self.seq)  # goodput.Feed
-        if self.is_scorer:  # a stage sitting the prompt out encodes it only if it computes after all
-            self.model.prefill(self.prompt, room=room, encode=not (sits_out and not self.role.is_last))
+        if self.is_scorer:
+            self.model.prefill(self.prompt, room=room)
         else:  # a drafter's job store is the method's own (models/suffix.py)
             self.model.prefill(self.prompt, room=room, store_key=method)
         t1 = self.clock.now()
@@ -347,15 +343,13 @@ class StageLoop:
         if self.est is not None:
             self.est.verified(n, verdict.n_accepted)
             self.est.forward(n, t1 - t0, t1)
-        kept = self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
-        self.accepted += min(verdict.n_accepted, kept)
+        self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
             self._bump_epoch()
         self._spent(t0, t1, "verify", n)
 
-    def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> int:
-        """Commit ``tokens`` (up to EOS and the budget); how many were."""
+    def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> None:
         if self.eos in tokens:
             tokens = tokens[: tokens.index(self.eos) + 1]
         tokens = tokens[: self.limit - len(self.out)]
@@ -371,7 +365,6 @@ class StageLoop:
         self.stats.tokens_generated += len(tokens)
         if self.role.is_last:
             self.stats.commit_times.append([round(self.clock.now() - self.t_start, 6), len(self.out)])
-        return len(tokens)
 
     # ------------------------------------------------------------------ neighbours
     def _sync_downstream(self) -> tuple[bool, bool]:
@@ -383,8 +376,6 @@ class StageLoop:
         self.down = h
         if h.done:
             return True, False
-        if self.est is not None:
-            self.est.feed.seen(h.prompt, h.length, h.accepted)
         if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
             self._fates(len(self.out), h.length)
             return False, False
@@ -523,7 +514,7 @@ class StageLoop:
     def _publish(self, done: bool = False) -> None:
         self.win.publish(
             prompt=self.seq, epoch=self.epoch, tokens=self.out, dirty_from=self.dirty_from,
-            done=done, want=self.want, idle=self.idle, accepted=self.accepted,
+            done=done, want=self.want, idle=self.idle,
         )  # fmt: skip
         self.dirty_from = len(self.out)
         self.published = (self.want, self.idle)

@@ -41,7 +41,6 @@ class Header:
     done: bool
     want: int
     idle: bool
-    accepted: int = 0  # proposal tokens it committed by accepting them, this prompt
 
 
 class Clock(Protocol):
@@ -54,7 +53,7 @@ class Window(Protocol):
 
     def publish(
         self, *, prompt: int, epoch: int, tokens: Sequence[int], dirty_from: int,
-        done: bool = False, want: int = 0, idle: bool = False, accepted: int = 0,
+        done: bool = False, want: int = 0, idle: bool = False,
     ) -> None: ...  # fmt: skip
 
     def header(self, rank: int) -> Header: ...
@@ -87,11 +86,10 @@ class Scorer(Protocol):
 
     name: str
 
-    def prefill(self, prompt: Sequence[int], room: int = 0, encode: bool = True) -> None:
+    def prefill(self, prompt: Sequence[int], room: int = 0) -> None:
         """Start a new sequence: reset the cache and encode all but the last prompt token.
 
         ``room``: how many positions the sequence may grow beyond the prompt (sizes the cache).
-        ``encode`` False: only reset; the first forward encodes the prompt with what follows it.
         """
 
     def logits(self, seq: Sequence[int], proposal: Sequence[int]) -> torch.Tensor:

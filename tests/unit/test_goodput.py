@@ -8,11 +8,8 @@ import pytest
 
 from pipespec_mpi.config import DecodeConfig, validate_decode
 from pipespec_mpi.speculative.goodput import (
-    FEED_SKIP,
-    FEED_WINDOW,
     MAX_POSITIONS,
     Estimates,
-    Feed,
     allot_rows,
     choose,
     draft_reach,
@@ -169,87 +166,6 @@ def test_an_adaptive_drafter_is_held_by_survival_and_says_it_is_idle():
     assert decide(view(est, committed=7, **drafter), static).act is Act.DRAFT
 
 
-def read_along(feed: Feed, prompt: int, steps: int, used_every: int, start: int = 0) -> int:
-    """The verifier commits one token per read, one in ``used_every`` of them accepted from our
-    proposals (0: none); returns the length reached."""
-    acc = feed.last[1] if feed.last else 0
-    if start == 0:
-        feed.seen(prompt, 0, 0)
-    for n in range(start + 1, start + steps + 1):
-        acc += 1 if used_every and n % used_every == 0 else 0
-        feed.seen(prompt, n, acc)
-    return start + steps
-
-
-def test_a_drafter_whose_drafts_are_used_never_holds():
-    feed = Feed(min_use=0.15)
-    for prompt in range(3):
-        assert not feed.start(prompt)
-        read_along(feed, prompt, 10 * FEED_WINDOW, used_every=2)
-        assert not feed.holding
-
-
-def test_a_drafter_whose_drafts_are_not_used_holds_for_the_prompt_and_sits_out_more_and_more():
-    feed = Feed(min_use=0.15)
-    feed.start(0)
-    n = read_along(feed, 0, FEED_WINDOW - 1, used_every=0)
-    assert not feed.holding  # judged only over a whole window
-    read_along(feed, 0, 1, used_every=0, start=n)
-    assert feed.holding and feed.skip_left == 1
-    runs = [0]  # prompts sat out after each failed try
-    for prompt in range(1, 20):
-        if feed.start(prompt):
-            runs[-1] += 1
-            read_along(feed, prompt, 3 * FEED_WINDOW, used_every=0)  # a held stage judges nothing
-            assert feed.holding
-            continue
-        runs.append(0)
-        read_along(feed, prompt, FEED_WINDOW, used_every=0)
-        assert feed.holding
-    assert runs[:4] == [1, 2, 4, FEED_SKIP]
-
-
-def test_a_window_that_pays_resets_the_sitting_out():
-    feed = Feed(min_use=0.15)
-    feed.start(0)
-    read_along(feed, 0, FEED_WINDOW, used_every=0)  # fails: sits out prompt 1
-    assert feed.start(1) and not feed.start(2)
-    read_along(feed, 2, FEED_WINDOW, used_every=0)  # fails again: sits out 2 prompts
-    assert feed.skip_left == 2 and feed.skip_next == 4
-    assert feed.start(3) and feed.start(4) and not feed.start(5)
-    read_along(feed, 5, FEED_WINDOW, used_every=3)  # a third used: drafting pays
-    assert not feed.holding and feed.skip_next == 1
-
-
-def test_a_feed_counts_progress_within_its_prompt_only_and_can_be_switched_off():
-    feed = Feed(min_use=0.15)
-    feed.start(2)
-    feed.seen(1, 40, 0)  # the previous prompt's header: not counted
-    feed.seen(2, 0, 0)
-    feed.seen(2, 3, 3)
-    feed.seen(2, 1, 1)  # a rollback of a middle verifier: counts again from here
-    assert (feed.progress, feed.used) == (3, 3)
-    off = Feed(min_use=0.0)
-    off.start(1)
-    read_along(off, 1, 10 * FEED_WINDOW, used_every=0)
-    assert not off.holding and not off.start(2)
-
-
-def test_a_model_drafter_that_holds_drafts_and_verifies_nothing_and_says_it_is_idle():
-    est = timed()
-    est.feed.holding = True
-    for role in (dict(first=True, last=False), dict(first=False, last=False, pending=3)):
-        d = decide(view(est, down_committed=4, **role), ADAPTIVE)
-        assert d.act is Act.WAIT and d.idle
-    # the last stage, a model-free drafter and the static policy never hold
-    assert decide(view(est, pending=3, upstream_idle=True), ADAPTIVE).act is Act.VERIFY
-    assert decide(view(est, pending=0, upstream_idle=True), ADAPTIVE).act is Act.OWN
-    free = dict(first=True, last=False, lookup=True, down_committed=4)
-    assert decide(view(est, **free), ADAPTIVE).act is Act.LOOKUP
-    static = DecodeConfig(lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8, policy="static")
-    assert decide(view(est, first=True, last=False, down_committed=4), static).act is Act.DRAFT
-
-
 def test_a_slot_joining_a_batched_forward_does_not_wait():
     est = timed(c0=0.025, slope=0.03, gap=0.004, accept=0.97)  # waiting pays (the test above)
     assert decide(view(est, pending=1), ADAPTIVE).act is Act.WAIT
@@ -299,11 +215,10 @@ def test_adaptive_decisions_are_always_legal():
 
 
 def test_the_policy_keys_are_validated():
-    bad = DecodeConfig(policy="greedy-ish", draft_survival=1.5, accept_prior=-0.1, estimate_rate=0.0,
-                       draft_min_use=2.0)  # fmt: skip
+    bad = DecodeConfig(policy="greedy-ish", draft_survival=1.5, accept_prior=-0.1, estimate_rate=0.0)
     problems = " ".join(validate_decode(bad, sd_needed=False))
     for key in ("decode.policy='greedy-ish'", "decode.draft_survival=1.5", "decode.accept_prior=-0.1",
-                "decode.estimate_rate=0.0", "decode.draft_min_use=2.0"):  # fmt: skip
+                "decode.estimate_rate=0.0"):  # fmt: skip
         assert key in problems
 
 

@@ -100,10 +100,8 @@ class HeaderBoard:
     def __init__(self) -> None:
         self.headers: dict[int, Header] = {}
 
-    def publish(
-        self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False, accepted=0
-    ) -> None:
-        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle, accepted)
+    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
+        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle)
 
     def header(self, rank: int) -> Header:
         return self.headers.get(rank, Header(-1, 0, 0, False, 0, False))
@@ -120,7 +118,7 @@ class CountingScorer:
 
     name = "middle"
 
-    def prefill(self, prompt, room=0, encode=True) -> None:
+    def prefill(self, prompt, room=0) -> None:
         pass
 
     def logits(self, seq, proposal) -> torch.Tensor:

@@ -61,9 +61,6 @@ class ChaosEstimates(Estimates):
     def wait_gap(self, now: float) -> float | None:
         return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
 
-    def holding(self) -> bool:
-        return self.rng.random() < 0.3
-
     @property
     def survival(self) -> list[float]:
         return [self.rng.random() for _ in range(MAX_POSITIONS)]
@@ -97,10 +94,8 @@ class ExWindow:
     def __init__(self, world: World, me: int) -> None:
         self.world, self.me = world, me
 
-    def publish(
-        self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False, accepted=0
-    ) -> None:
-        h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle), accepted)
+    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
+        h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
         self.world.versions[self.me].append((h, tuple(tokens)))
 
     def _read(self, rank: int) -> tuple[Header, tuple[int, ...]]:

@@ -158,9 +158,7 @@ class Scenario:
                 policy = dict(policy="adaptive", draft_survival=ad.choice((0.0, 0.3, 0.5, 0.9)),
                               accept_prior=ad.choice((0.0, 0.5, 1.0, ad.random())),
                               estimate_rate=ad.choice((0.05, 0.3, 1.0)))  # fmt: skip
-                # drawn apart, so that every other field of a seed is what it was before
-                use = random.Random(f"feed:{family}:{seed}").choice((0.0, 0.15, 0.5, 1.0))
-                sc = replace(sc, decode=replace(sc.decode, **policy, draft_min_use=use))
+                sc = replace(sc, decode=replace(sc.decode, **policy))
             sc = replace(sc, chaos=ad.random() < 0.5)
         if family.endswith(("-batch", "-suffix", "-adaptive")):
             bu = random.Random(f"budgets:{family}:{seed}")
