@@ -18,7 +18,9 @@ runs (``joining``): a row costs a fraction of a forward here (batched AR on the 
 for one row, 46 ms for four, 119 ms for sixteen), and a slot that waits misses this forward and
 joins the next one anyway; stepping now and verifying in the next forward what arrived meanwhile
 commits at least as much (the step's token is the first proposal's, or the proposal would have been
-rejected there). Waiting, the slots of a 4-slot target sat out a quarter of its forwards.
+rejected there). Waiting, a 4-slot target's forwards held 2.9-3.3 of its slots, joining 3.3-3.5,
+and PipeSpec went from 0.97-0.99x to 1.02-1.12x batched AR (16 code prompts, docs/performance.md).
+
 Under ``decode.policy=adaptive`` the slots' verifications share one budget of
 ``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most
 likely to be committed (``goodput.allot_rows``); a slot left with no rows takes a one-token step
