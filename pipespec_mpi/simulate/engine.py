@@ -95,14 +95,18 @@ class _Node:
         self.outcome: StageOutcome | None = None
 
     # a slot of a BatchedStage: the loop's advance/complete, finished (done published) at DONE
-    def advance(self) -> Step | Forward:
-        s = self.loop.advance()
+    def advance(self, joining: bool = False) -> Step | Forward:
+        s = self.loop.advance(joining)
         if s is Step.DONE and self.outcome is None:
             self.outcome = self.loop.finish()
         return s
 
     def complete(self, fwd: Forward, logits, t0: float) -> Step:
         return self.loop.complete(fwd, logits, t0)
+
+    @property
+    def waits_for_upstream(self) -> bool:
+        return self.outcome is None and self.loop.waits_for_upstream
 
     def describe(self) -> str:
         return f"stage {self.stage} slot {self.slot}"

@@ -77,7 +77,7 @@ class BatchedStage:
                 continue
             s = slot.advance(joining=bool(forwards))
             moved |= self._took(i, s, forwards)
-            if not isinstance(s, Forward) and slot.phase == "decode" and slot.loop.waits_for_upstream:
+            if not isinstance(s, Forward) and slot.waits_for_upstream:
                 waiting.append(i)
         if forwards:  # the waits of slots decided before the first forward yield to it
             for i in waiting:

@@ -153,6 +153,11 @@ class StageProcess:
     def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
         return self.loop.complete(fwd, logits, t0)
 
+    @property
+    def waits_for_upstream(self) -> bool:
+        """Its last step waited for more proposals by choice (``StageLoop.advance``)."""
+        return self.phase == "decode" and self.loop.waits_for_upstream
+
     def describe(self) -> str:
         r = self.loop.role
         where = {
