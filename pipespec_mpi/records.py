@@ -251,7 +251,7 @@ class StageSummary:
     # the adaptive policy (decode.policy=adaptive): waits it chose although it could act, its
     # verifications of fewer proposals than were pending, the times it held its drafting back
     waits_chosen: int = 0
-    waits_joined: int = 0  # of those, given up for a batched forward of the other slots
+    waits_joined: int = 0  # waits it would have chosen, given up to join its other slots' forward
     verify_cut: int = 0
     drafts_held: int = 0
     # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens

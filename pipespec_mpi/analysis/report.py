@@ -154,7 +154,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                     i: {"waits": st.waits_chosen, "joined": st.waits_joined, "cut": st.verify_cut,
                         "held": st.drafts_held}
                     for i, st in enumerate(s.stages)
-                    if st.waits_chosen or st.verify_cut or st.drafts_held
+                    if st.waits_chosen or st.waits_joined or st.verify_cut or st.drafts_held
                 },
                 "drafter": s.stages[0].drafter,
                 "ttft_s_mean": s.ttft_s_mean,

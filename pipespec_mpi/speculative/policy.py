@@ -68,6 +68,7 @@ class Decision:
     want: int = 0  # SD demand to publish (unchanged unless the decision sets it)
     idle: bool = False  # nothing more to offer downstream now (a lookup miss is known only after it)
     upstream_matters: bool = False  # WAIT that an idle upstream would turn into work
+    joined: bool = False  # adaptive: a wait given up to join the stage's batched forward (``joining``)
 
 
 def room(v: View, cfg: DecodeConfig) -> int:
@@ -125,13 +126,16 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         if limit < 1:
             return Decision(Act.OWN)
         est = v.estimates
-        most_wait = 0 if v.upstream_idle or v.joining else min(limit, cfg.max_run_ahead)
-        c = choose(est.acceptance(), est.costs(limit), v.pending, limit, most_wait, est.gap(),
-                   est.wait_gap(v.now))  # fmt: skip
+        accept, costs, gap, wait_gap = est.acceptance(), est.costs(limit), est.gap(), est.wait_gap(v.now)
+        most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
+        c = choose(accept, costs, v.pending, limit, most_wait, gap, wait_gap)
+        joined = v.joining and c.act == "wait"
+        if joined:  # the wait yields to the batched forward running now: the best other action
+            c = choose(accept, costs, v.pending, limit, 0, gap, wait_gap)
         if c.act == "verify":
-            return Decision(Act.VERIFY, n=c.n)
+            return Decision(Act.VERIFY, n=c.n, joined=joined)
         if c.act == "own":
-            return Decision(Act.OWN)
+            return Decision(Act.OWN, joined=joined)
         return Decision(Act.WAIT, upstream_matters=True)
     else:
         need = max(1, min(cfg.lookahead, limit))

@@ -231,7 +231,7 @@ class StageLoop:
         self.waits_for_upstream = self.est is not None and d.act is Act.WAIT and d.upstream_matters
         t = self.clock.now()
         self.recheck_at = None
-        if d.act is Act.WAIT and d.upstream_matters and self.est is not None:
+        if self.waits_for_upstream:
             g = self.est.expected_wait_gap()  # the next proposal is due then
             if g is not None:
                 self.recheck_at = t + max(g, 1e-4)
@@ -287,7 +287,7 @@ class StageLoop:
     def _count_choice(self, v: View, d: Decision) -> None:
         """What the adaptive policy chose where the static rule would have acted at once (a wait
         counts once, when it starts)."""
-        if v.joining and d.act in (Act.VERIFY, Act.OWN):
+        if d.joined:
             self.stats.waits_joined += 1
         if d.act is Act.VERIFY and d.n < v.pending:
             self.stats.verify_cut += 1

@@ -170,8 +170,11 @@ def test_a_slot_joining_a_batched_forward_does_not_wait():
     est = timed(c0=0.025, slope=0.03, gap=0.004, accept=0.97)  # waiting pays (the test above)
     assert decide(view(est, pending=1), ADAPTIVE).act is Act.WAIT
     joined = decide(view(est, pending=1, joining=True), ADAPTIVE)
-    assert joined.act is Act.VERIFY and joined.n == 1
+    assert joined.act is Act.VERIFY and joined.n == 1 and joined.joined
     assert decide(view(est, pending=0, joining=True), ADAPTIVE).act is Act.OWN
+    # an action taken anyway is not a wait given up
+    slow = timed(gap=1.0)
+    assert not decide(view(slow, pending=0, joining=True), ADAPTIVE).joined
 
 
 def test_sd_and_ar_ignore_the_adaptive_policy():
