@@ -33,6 +33,7 @@ from pipespec_mpi.config.load import (
 )
 from pipespec_mpi.config.schema import (
     CONF_DIR,
+    CPU_BINDS,
     DRAFTER_KINDS,
     DTYPES,
     EPOCHS_WINDOWS,
@@ -67,6 +68,7 @@ __all__ = [
     "DRAFTER_KINDS",
     "DTYPES",
     "DecodeConfig",
+    "CPU_BINDS",
     "EPOCHS_WINDOWS",
     "HierarchyConfig",
     "METHODS",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipespec_mpi.config.schema import (
     CONF_DIR,
+    CPU_BINDS,
     DRAFTER_KINDS,
     DTYPES,
     EPOCHS_WINDOWS,
@@ -222,6 +223,8 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"run.methods: {m!r} is not one of {METHODS}")
     if r.epochs_window not in EPOCHS_WINDOWS:
         p.append(f"run.epochs_window={r.epochs_window!r}: must be one of {EPOCHS_WINDOWS}")
+    if r.cpu_bind not in CPU_BINDS:
+        p.append(f"run.cpu_bind={r.cpu_bind!r}: must be one of {CPU_BINDS}")
     for key in ("stall_timeout_s", "startup_timeout_s", "progress_every_s"):
         if getattr(r, key) <= 0:
             p.append(f"run.{key}={getattr(r, key)}: must be > 0")

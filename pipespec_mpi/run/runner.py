@@ -120,8 +120,9 @@ class Runner:
             monitor = loaded.gpu_monitor if queue is None else GpuMonitor([])
             comm = slot_links[s].replica_comm
             handoff = LeaderHandoff(
-                comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector, threads=loaded.threads,
-                n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0, slot=s,
+                comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
+                threads=loaded.cpus.threads, slot=s,
+                n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
             )  # fmt: skip
             return StageProcess(
                 loops[s], VoteGate(comm, stop), handoff, group,

@@ -27,7 +27,7 @@ from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.stage.wait import wait_until
-from pipespec_mpi.topology import Placement, device_for
+from pipespec_mpi.topology import CpuShare, Placement, device_for, share_cpus
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -51,16 +51,17 @@ def resolve_transport(kind: str) -> str:
     return "nccl" if torch.cuda.is_available() else "mpi"
 
 
-def set_threads(threads: int | None, local_size: int) -> int:
+def place_cpus(world: World, n_stages: int, bind: str, threads: int | None) -> CpuShare:
+    """Bind this rank and set its torch threads (``topology.share_cpus``) from every rank's CPU
+    affinity (collective over ``world.comm``)."""
     import torch
 
-    mine = len(os.sched_getaffinity(0))
-    # A launcher that binds each rank to its own CPUs (srun --cpus-per-task) already gave us our
-    # share; otherwise the node's ranks split the CPUs they all see.
-    shared = mine >= (os.cpu_count() or mine)
-    n = threads or max(1, mine // local_size if shared else mine)
-    torch.set_num_threads(n)
-    return n
+    affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
+    share = share_cpus(world.rank, world.hosts, affinities, n_stages, bind, threads)
+    if share.cpus is not None:
+        os.sched_setaffinity(0, share.cpus)
+    torch.set_num_threads(share.threads)
+    return share
 
 
 @dataclass
@@ -68,7 +69,7 @@ class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
     transport: str
-    threads: int
+    cpus: CpuShare
     cuda_devices: list[int]
     tokenizer: Any
     feed: RowFeed  # this replica's prompts, a round at a time (run/rows.py)
@@ -93,7 +94,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
-    threads = set_threads(stage_cfg.threads, world.local_size)
+    cpus = place_cpus(world, pl.n_stages, cfg.run.cpu_bind, stage_cfg.threads)
     transport = resolve_transport(cfg.transport.kind)
     cuda_devices = device_for(
         [s.n_gpus for s in cfg.hierarchy.stages], pl.stage, world.local_rank, torch.cuda.device_count()
@@ -112,8 +113,8 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         t0 = time.perf_counter()
         model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
         log.info(
-            "stage %d (%s) loaded in %.1f s, %d threads, transport %s",
-            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, threads, transport),
+            "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),
         )
         context = smallest_context(cfg, pl, comm, model)
 
@@ -121,7 +122,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         found = rows.scan(cfg, comm, tokenizer, context)
         loaded = Loaded(
             transport=transport,
-            threads=threads,
+            cpus=cpus,
             cuda_devices=cuda_devices,
             tokenizer=tokenizer,
             feed=rows.feed(cfg, comm, pl, tokenizer, context),

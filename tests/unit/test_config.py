@@ -54,11 +54,12 @@ def test_overrides_reach_their_components_by_their_path():
 def test_every_bad_value_is_named_at_once():
     with pytest.raises(ConfigError) as err:
         compose_config(["decode.lookahead=-1", "decode.max_new_tokens=0", "transport.kind=carrier_pigeon",
-                        "dataset.n_prompts=0"])  # fmt: skip
+                        "dataset.n_prompts=0", "run.cpu_bind=numa"])  # fmt: skip
     msg = str(err.value)
-    for needle in ("decode.lookahead=-1", "decode.max_new_tokens=0", "carrier_pigeon", "dataset.n_prompts=0"):
+    for needle in ("decode.lookahead=-1", "decode.max_new_tokens=0", "carrier_pigeon", "dataset.n_prompts=0",
+                   "run.cpu_bind='numa'"):  # fmt: skip
         assert needle in msg
-    assert len(err.value.problems) == 4
+    assert len(err.value.problems) == 5
 
 
 def test_sd_needs_a_window():

@@ -1,6 +1,6 @@
 import pytest
 
-from pipespec_mpi.topology import TopologyError, check_world, device_for, place
+from pipespec_mpi.topology import CpuShare, TopologyError, check_world, device_for, place, share_cpus
 
 
 @pytest.mark.parametrize("world,stages", [(3, 3), (6, 3), (2, 2), (8, 2), (1, 1), (4, 4)])
@@ -32,3 +32,48 @@ def test_devices_follow_stage_gpu_counts():
     # three ranks sharing one GPU (smoke test)
     assert [device_for([1, 1, 1], s, s, 1) for s in range(3)] == [[0], [0], [0]]
     assert device_for([1], 0, 0, 0) == []
+
+
+def shares(hosts, affinities, n_stages, bind="auto", threads=None):
+    aff = [frozenset(a) for a in affinities]
+    return [share_cpus(r, hosts, aff, n_stages, bind, threads) for r in range(len(hosts))]
+
+
+def test_a_pipeline_on_fewer_cpus_than_ranks_gives_its_last_stage_a_cpu_of_its_own():
+    got = shares(["a"] * 3, [{0, 1}] * 3, 3)
+    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,))]
+    # the bound CPUs are disjoint between the last stage and the rest, and cover the node
+    assert not set(got[2].cpus) & set(got[0].cpus)
+
+
+def test_two_replicas_on_one_node_bind_each_last_stage_apart():
+    got = shares(["a"] * 6, [range(4)] * 6, 3)
+    assert [g.cpus for g in got] == [(0, 1), (0, 1), (2,), (0, 1), (0, 1), (3,)]
+    assert {g.threads for g in got} == {1}
+
+
+def test_nobody_is_bound_where_the_cpus_suffice_or_are_too_few_for_a_spare():
+    # as many CPUs as ranks: split, the OS places them
+    assert shares(["a"] * 3, [range(6)] * 3, 3) == [CpuShare(2)] * 3
+    # two replicas on 2 CPUs: the last stages would take them all
+    assert shares(["a"] * 6, [{0, 1}] * 6, 3) == [CpuShare(1)] * 6
+    # one-stage pipelines (AR): every rank is a last stage
+    assert shares(["a"] * 3, [{0, 1}] * 3, 1) == [CpuShare(1)] * 3
+    # the user turned it off
+    assert shares(["a"] * 3, [{0, 1}] * 3, 3, bind="none") == [CpuShare(1)] * 3
+
+
+def test_a_launcher_that_bound_the_ranks_decides():
+    got = shares(["a"] * 3, [{0}, {1}, {2, 3}], 3)
+    assert got == [CpuShare(1), CpuShare(1), CpuShare(2)]
+
+
+def test_each_node_is_placed_on_its_own():
+    # stage 0 and 1 on host a (2 CPUs, not outnumbered), the last stage alone on host b
+    got = shares(["a", "a", "b"], [{0, 1}, {0, 1}, {0, 1}], 3)
+    assert got == [CpuShare(1), CpuShare(1), CpuShare(2)]
+
+
+def test_a_stage_threads_setting_sets_the_count_not_the_cpus():
+    got = shares(["a"] * 3, [{0, 1}] * 3, 3, threads=2)
+    assert [(g.threads, g.cpus) for g in got] == [(2, (0,)), (2, (0,)), (2, (1,))]
