@@ -66,6 +66,7 @@ class Record:
     sample_idx: int = 0
     batch_size: int = 1  # sequences in flight per stage while this one decoded (stage/batch.py)
     slot: int = 0  # which of them
+    phase: int | None = None  # its phase: the number of the phase's first job (None: not recorded)
     temperature: float = 0.0  # the job's, or its row's own
     top_p: float = 1.0
     top_k: int = 0

@@ -104,7 +104,8 @@ def device_for(stage_gpus: list[int], stage: int, local_rank: int, n_local_gpus:
 
 @dataclass(frozen=True)
 class CpuShare:
-    """A rank's torch threads, and the CPUs it binds itself to (None: as launched)."""
+    """A rank's torch threads, and the CPUs it binds itself to where a phase runs bound (None:
+    it never binds; it keeps the CPUs it was launched with)."""
 
     threads: int
     cpus: tuple[int, ...] | None = None
@@ -119,31 +120,39 @@ def share_cpus(
     hosts: Sequence[str],
     affinities: Sequence[frozenset[int]],
     n_stages: int,
-    bind: str = "auto",
     threads: int | None = None,
 ) -> CpuShare:
     """Where ``rank`` computes, from every rank's host and CPU affinity (rank order).
 
     A launcher that gave the ranks of a node different CPUs (``srun --cpus-per-task``, ``mpirun
     --bind-to core``) decided: a rank uses all of its own. Ranks that all see the same CPUs split
-    them: ``len(cpus) // ranks`` threads each, left to the OS scheduler, except where the ranks
-    outnumber the CPUs and ``bind`` is ``auto``: then each pipeline's last stage is bound to a CPU
-    of its own (the last ones) and the other ranks share the rest. The last stage is the
-    pipeline's bottleneck and the drafters never stop computing; left together, three ranks on two
-    CPUs gave the target about two thirds of a core (on a 2-core EPYC its batch-16 forwards took
-    183-191 ms against 134-146 ms bound, batched PipeSpec at batch 4 0.94-1.00x batched AR against
-    1.15-1.25x bound). Needs a CPU left over for the others: with as many last stages as CPUs or
-    more, nobody is bound. ``threads`` (the stage's own setting) overrides the count, never the
-    CPUs."""
+    them, ``len(cpus) // ranks`` threads each, left to the OS scheduler; where they outnumber the
+    CPUs, each pipeline's last stage gets a CPU of its own (the last ones) and the other ranks
+    share the rest, in the phases that bind (``binds``). Needs a CPU left over for the others:
+    with as many last stages as CPUs or more, nobody binds. ``threads`` (the stage's own
+    setting) overrides the count, never the CPUs."""
     mine = affinities[rank]
     node = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     if any(affinities[r] != mine for r in node):
         return CpuShare(threads or len(mine))
     cpus = sorted(mine)
     lasts = [r for r in node if r % n_stages == n_stages - 1]
-    if bind != "auto" or len(node) <= len(cpus) or len(cpus) <= len(lasts):
+    if len(node) <= len(cpus) or len(cpus) <= len(lasts):
         return CpuShare(threads or max(1, len(cpus) // len(node)))
     rest = cpus[: len(cpus) - len(lasts)]
     if rank in lasts:
         return CpuShare(threads or 1, (cpus[len(rest) + lasts.index(rank)],))
     return CpuShare(threads or max(1, len(rest) // (len(node) - len(lasts))), tuple(rest))
+
+
+def binds(mode: str, batch_size: int) -> bool:
+    """Whether a phase at ``batch_size`` runs on the bound CPUs of ``share_cpus`` (``run.cpu_bind``).
+
+    ``auto`` binds the batched phases only. There the last stage computes every slot's rows and
+    is the bottleneck, and the other ranks' drafting, polling and adopting for every slot took
+    about a third of its core: on a 2-core EPYC (three ranks, code and prose, 2026-12-03) bound
+    it ran batch-16 PipeSpec at 0.86-1.21x batched AR against 0.76-0.91x free (3 of 4 alternated
+    pairs ahead), batch 4 at 0.95-1.25x against 0.94-1.12x (2 of 4). At batch 1 the middle stage
+    is the bottleneck, and free it borrows the target's core while the target waits: bound,
+    1.32-1.62x AR against 1.42-1.71x free (3 of 3 pairs behind)."""
+    return mode == "always" or (mode == "auto" and batch_size > 1)

@@ -104,30 +104,31 @@ def decoding_wall_s(rs: Iterable[Record]) -> float:
 
 
 class _DecodingWall:
-    """``decoding_wall_s`` fed one record at a time: the walls (for batch 1) and each replica's
-    first start and last end (batched)."""
+    """``decoding_wall_s`` fed one record at a time: the walls (for batch 1) and each phase's
+    first start and last end in each replica (batched; a group of records whose phases ran
+    apart, as ``run.batch_sizes=[4,16,4,16]`` runs them, spans each phase, not the time between)."""
 
     def __init__(self) -> None:
         self.batched = False  # a record at batch > 1: the spans, else the walls summed
         self.walls = array("d")  # summed by sum() at the end (why: ``_Group``)
-        self.spans: dict[int, list[float]] = {}  # replica -> [first start, last end]
+        self.spans: dict[tuple[int, int | None], list[float]] = {}  # (replica, phase) -> [start, end]
 
     def add(self, r: Record) -> None:
         self.batched = self.batched or r.batch_size != 1
         self.walls.append(r.wall_s)
         start = r.stages[-1].t0_perf_counter
         end = start + r.wall_s
-        span = self.spans.setdefault(r.replica, [start, end])
+        span = self.spans.setdefault((r.replica, r.phase), [start, end])
         span[0], span[1] = min(span[0], start), max(span[1], end)
 
     def total(self) -> float:
         if not self.batched:
             return sum(self.walls)
         span = 0.0
-        # the replicas in the order of a set of them, as the spans were always added up: the
+        # the phases in the order of a set of them, as the spans were always added up: the
         # same float (a set built by the same insertions iterates in the same order)
-        for rep in {rep for rep in self.spans}:
-            start, end = self.spans[rep]
+        for key in {key for key in self.spans}:
+            start, end = self.spans[key]
             span += end - start
         return span
 

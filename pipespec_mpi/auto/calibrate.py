@@ -16,8 +16,9 @@ from pathlib import Path
 
 from pipespec_mpi.auto import fingerprint
 from pipespec_mpi.auto.measure import Agreement, CostCheck, StageCost, Workers, measure_costs, within
-from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, threads_per_rank
+from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, stage_shares
 from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
+from pipespec_mpi.topology import CpuShare, binds
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -26,7 +27,7 @@ log = logging.getLogger("pipespec_mpi")
 class Node:
     """Where the job's ranks run, as the measurement must reproduce it."""
 
-    cores: int  # CPUs a rank sees (its affinity)
+    cpus: tuple[int, ...]  # the CPUs a rank sees (its affinity)
     ranks_on_node: int  # the job's ranks on this node
     ranks_per_replica: int  # most stages a pipeline may have (world size / auto.replicas)
     bound: bool  # the launcher gave each rank its own cores (srun --cpus-per-task)
@@ -37,10 +38,14 @@ class Node:
         ``bound`` unset: judged from this process's CPU affinity."""
         if world_size < 1 or world_size % replicas:
             raise ConfigError([f"auto.replicas={replicas} does not divide the world size {world_size}"])
-        cores = len(os.sched_getaffinity(0))
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
         if bound is None:
-            bound = cores < (os.cpu_count() or cores)  # the launcher gave this rank its own cores
-        return cls(cores, ranks_on_node, world_size // replicas, bound)
+            bound = len(cpus) < (os.cpu_count() or len(cpus))  # the launcher gave this rank its own cores
+        return cls(cpus, ranks_on_node, world_size // replicas, bound)
+
+    @property
+    def cores(self) -> int:
+        return len(self.cpus)
 
 
 @dataclass(frozen=True)
@@ -67,16 +72,16 @@ class SpotCheck:
 
 
 def spot_check(
-    hier: HierarchyConfig, costs: dict, threads: int, context: Sequence[int], repeats: int, factor: float
+    hier: HierarchyConfig, costs: dict, share: CpuShare, context: Sequence[int], repeats: int, factor: float
 ) -> SpotCheck | None:
-    """Time the target's one-token step alone (one worker, ``threads`` threads, as the cached
-    AR cost was timed) and compare; None where the cache holds no such cost."""
+    """Time the target's one-token step alone (one worker with ``share``'s threads and CPUs, as
+    the cached AR cost was timed) and compare; None where the cache holds no such cost."""
     last = hier.n_stages - 1
     cached = next((c for p, c in costs["costs"] if tuple(p) == (last,)), None)
     if cached is None:
         return None
     with Workers(hier, stages=(last,)) as w:
-        now = w.costs((last,), threads, context, (1,), max(3, repeats))
+        now = w.costs((last,), (share,), context, (1,), max(3, repeats))
     return SpotCheck(StageCost.from_json(cached[0]).one_token_s, now[0].one_token_s, factor)
 
 
@@ -130,7 +135,9 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     max_k = min(a.max_stages, node.ranks_per_replica)
     pipelines = candidates(hier.stages, max_k)
     ks = sorted({len(p) for p in pipelines})
-    threads = {k: threads_per_rank(k, a.replicas, node.cores, node.ranks_on_node, node.bound) for k in ks}
+    bind = binds(cfg.run.cpu_bind, 1)  # the costs are of batch-1 forwards
+    shares = {k: stage_shares(k, a.replicas, node.cpus, node.ranks_on_node, node.bound, bind) for k in ks}
+    threads = {k: shares[k][-1].threads for k in ks}
     calib = [list(p) for p in prompts[: a.calibration_prompts]]
     stages = fingerprint.stage_identity(hier.stages)
     cost_for = {
@@ -138,6 +145,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
         "machine": fingerprint.machine(node.cores, node.ranks_on_node),
         "stages": stages,
         "threads": threads,
+        "cpus": {k: [sh.cpus for sh in v] for k, v in shares.items()},  # where bound (run.cpu_bind)
         "pipelines": [list(p) for p in pipelines],
         "token_counts": list(a.token_counts),
         "repeats": a.repeats,
@@ -156,7 +164,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     spot = check = None
     if costs is not None:
         t = time.perf_counter()
-        spot = spot_check(hier, costs, threads[1], calib[0], a.repeats, a.stale_factor)
+        spot = spot_check(hier, costs, shares[1][0], calib[0], a.repeats, a.stale_factor)
         phases["spot_check_s"] = time.perf_counter() - t
         if spot is not None and not spot.agrees:
             log.warning(
@@ -179,7 +187,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
             if costs is None:
                 t = time.perf_counter()
                 got, check = measure_costs(
-                    workers, pipelines, threads, calib[0], a.token_counts, a.repeats, a.stale_factor
+                    workers, pipelines, shares, calib[0], a.token_counts, a.repeats, a.stale_factor
                 )
                 if check.remeasured:
                     log.warning(

@@ -1,12 +1,12 @@
 """Run the measuring workers: each candidate pipeline's forward costs, each stage's proposals.
 
 One worker process per candidate stage (worker.py), each loading its stage once. For a candidate
-pipeline of k stages, its k workers are timed at once, each with the threads a rank of that
-pipeline gets, the others running one-token forwards meanwhile: the node is shared as the job
-will share it (on a 2-core EPYC the target's one-token step took 34 ms alone and 47-57 ms beside a
-busy int8 copy; a cost measured alone would promise a speedup the job cannot have). Agreement is
-counted along the target's own greedy output of the calibration prompts, the path every accepted
-token lies on.
+pipeline of k stages, its k workers are timed at once, each with the threads and CPUs a rank of
+that pipeline gets (``run.cpu_bind``), the others running one-token forwards meanwhile: the node
+is shared as the job will share it (on a 2-core EPYC the target's one-token step took 34 ms alone
+and 47-57 ms beside a busy int8 copy; a cost measured alone would promise a speedup the job cannot
+have). Agreement is counted along the target's own greedy output of the calibration prompts, the
+path every accepted token lies on.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig
+from pipespec_mpi.topology import CpuShare
 
 
 class MeasureError(RuntimeError):
@@ -152,17 +153,16 @@ class Workers:
     def costs(
         self,
         pipeline: Sequence[int],
-        threads: int,
+        shares: Sequence[CpuShare],
         context: Sequence[int],
         token_counts: Sequence[int],
         repeats: int,
     ) -> list[StageCost]:
-        """Every stage of ``pipeline`` timed together."""
+        """Every stage of ``pipeline`` timed together, each with its rank's threads and CPUs."""
         ws = [self.by_stage[i] for i in pipeline]
-        cmd = {"do": "cost", "threads": threads, "context": list(context),
-               "token_counts": list(token_counts), "repeats": repeats}  # fmt: skip
-        for w in ws:
-            w.send(cmd)
+        for w, share in zip(ws, shares, strict=True):
+            w.send({"do": "cost", "threads": share.threads, "cpus": share.cpus, "context": list(context),
+                    "token_counts": list(token_counts), "repeats": repeats})  # fmt: skip
         costs = [StageCost.from_json(w.reply()) for w in ws]  # each keeps the node busy until all are done
         for w in ws:
             w.send("stop")
@@ -241,13 +241,13 @@ def within(a: float, b: float, factor: float) -> bool:
 def measure_costs(
     workers: Workers,
     pipelines: Sequence[Sequence[int]],
-    threads_of: dict[int, int],
+    shares_of: Mapping[int, Sequence[CpuShare]],
     context: Sequence[int],
     token_counts: Sequence[int],
     repeats: int,
     factor: float = 1.5,
 ) -> tuple[dict[Pipeline, list[StageCost]], CostCheck]:
-    """Costs of every stage of every candidate pipeline (threads per rank by pipeline length),
+    """Costs of every stage of every candidate pipeline (threads and CPUs by pipeline length),
     shortest pipelines first, and the pipelines whose timing of the target disagreed with the
     rest (``disagreeing``) timed once more. A drafter whose one-token step beside the target is
     at least the target's own can never run ahead of it: pipelines with more stages that
@@ -256,7 +256,7 @@ def measure_costs(
     too_slow: set[int] = set()
 
     def timed(p: Pipeline) -> list[StageCost]:
-        return workers.costs(p, threads_of[len(p)], context, token_counts, repeats)
+        return workers.costs(p, shares_of[len(p)], context, token_counts, repeats)
 
     for p in sorted((tuple(p) for p in pipelines), key=len):
         if len(p) > 2 and too_slow & set(p):

@@ -5,7 +5,8 @@ proposed, read as agreement rates and lookup traces. The plan made from it: plan
 
 Notation (per candidate pipeline P = (s_0, ..., s_{k-1} = target) of the hierarchy's stages):
   cost_P[s](n)   measured seconds of stage s's forward over n new tokens while P's other stages
-                 run beside it, each rank with threads(k) threads
+                 run beside it, each rank with threads(k) threads on the CPUs the job binds
+                 it to (``stage_shares``)
   a(x -> y)      agreement: over the positions of the target's greedy paths where x proposes,
                  the fraction where x's token equals y's (y = target: the path's own token)
   ms_P           the simulator's ms/token for P: the real stage loop replaying, prompt by
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from pipespec_mpi.auto.measure import Agreement, Pipeline, StageCost
 from pipespec_mpi.config import DRAFTER_KINDS, StageConfig
+from pipespec_mpi.topology import CpuShare, share_cpus
 
 # Pipeline: stage indices of the candidate hierarchy, smallest first, target last
 
@@ -45,13 +47,20 @@ def candidates(stages: Sequence[StageConfig], max_stages: int) -> list[Pipeline]
     return out
 
 
-def threads_per_rank(k: int, replicas: int, cores: int, ranks_on_node: int, bound: bool) -> int:
-    """Threads of each rank when k-stage pipelines run: the node's cores split among its active
-    ranks, or, when the launcher binds each rank to its own cores (``bound``), all of those."""
+def stage_shares(
+    k: int, replicas: int, cpus: Sequence[int], ranks_on_node: int, bound: bool, bind: bool = False
+) -> tuple[CpuShare, ...]:
+    """The threads of the first replica's stages when k-stage pipelines run, and with ``bind``
+    (the phase binds: ``topology.binds``) their CPUs, as the job gives them
+    (``topology.share_cpus``: the job's ranks fill nodes of ``ranks_on_node`` in rank order,
+    every one seeing ``cpus``), or, when the launcher binds each rank to its own cores
+    (``bound``), all of those."""
     if bound:
-        return cores
-    active = min(ranks_on_node, k * replicas)
-    return max(1, cores // active)
+        return (CpuShare(len(cpus)),) * k
+    hosts = [f"node{r // ranks_on_node}" for r in range(k * replicas)]
+    seen = [frozenset(cpus)] * len(hosts)
+    shares = (share_cpus(s, hosts, seen, k) for s in range(k))
+    return tuple(sh if bind else CpuShare(sh.threads) for sh in shares)
 
 
 def agreement_rate(ag: Agreement, drafter: int, verifier: int) -> float | None:

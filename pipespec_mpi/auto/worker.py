@@ -5,11 +5,11 @@ ranks will (each with its own torch threads, all at once), and so that the MPI r
 them holds no model. It never imports MPI. It loads its stage once, says ``{"ready": seconds}``,
 then answers commands, one JSON line each:
 
-  cost     set ``threads``; time the prefill of ``context`` and forwards over each of
-           ``token_counts`` new tokens after it (median of ``repeats``), and what each more
-           sequence adds to a batched forward; say ``{"points": [[n, s], ...], "prefill_s": s,
-           "context": n, "per_sequence_s": s}``; then keep the
-           node as busy as a drafting stage keeps it (one-token forwards) until the line ``stop``
+  cost     set ``threads`` and bind to ``cpus`` (null: the CPUs it started with); time the
+           prefill of ``context`` and forwards over each of ``token_counts`` new tokens after it
+           (median of ``repeats``), and what each more sequence adds to a batched forward; say
+           ``{"points": [[n, s], ...], "prefill_s": s, "context": n, "per_sequence_s": s}``; then
+           keep the node as busy as a drafting stage keeps it (one-token forwards) until the line ``stop``
            arrives, and say ``{"stopped": true}`` (so every stage of a pipeline is timed while the
            others run)
   path     greedy continuation of each prompt by this stage alone: ``{"paths": [[ids], ...]}``
@@ -22,6 +22,7 @@ then answers commands, one JSON line each:
 from __future__ import annotations
 
 import json
+import os
 import select
 import statistics
 import sys
@@ -170,8 +171,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model = load_stage(hierarchy_from(start["hierarchy"]), start["stage"], [])
     say({"ready": time.perf_counter() - t0})
+    home = os.sched_getaffinity(0)
     for line in sys.stdin:
         cmd = json.loads(line)
+        os.sched_setaffinity(0, cmd.get("cpus") or home)
         torch.set_num_threads(int(cmd.get("threads", 1)))
         if cmd["do"] == "cost":
             say(time_forwards(model, cmd["context"], cmd["token_counts"], cmd["repeats"]))

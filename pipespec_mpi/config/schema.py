@@ -205,7 +205,7 @@ class TransportConfig:
 
 
 EPOCHS_WINDOWS = ("auto", "shared", "push", "rma")
-CPU_BINDS = ("auto", "none")
+CPU_BINDS = ("auto", "always", "none")
 
 
 @dataclass
@@ -223,9 +223,10 @@ class RunConfig:
     # auto: shared memory when every pipeline is node-local, else push (comm/window.py); rma: the
     # passive-target RMA window (reads wait for a computing owner under MPICH; for comparison)
     epochs_window: str = "auto"
-    # auto: where a node's ranks outnumber its CPUs (and the launcher did not bind them), each
-    # pipeline's last stage gets a CPU of its own and the others share the rest (topology.py
-    # share_cpus); none: threads only, the OS places the ranks
+    # where a node's ranks outnumber its CPUs (and the launcher did not bind them), each
+    # pipeline's last stage may get a CPU of its own, the others sharing the rest (topology.py
+    # share_cpus): auto in batched phases (measured: faster there, slower at batch 1), always,
+    # or none (the OS places the ranks)
     cpu_bind: str = "auto"
     # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot
     # starve the others: a phase ends before the next starts); empty: decode.batch_size alone

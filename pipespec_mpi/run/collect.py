@@ -154,6 +154,7 @@ class RecordAssembler:
             sample_idx=job.sample_idx,
             batch_size=job.batch_size,
             slot=job.slot,
+            phase=job.phase,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,

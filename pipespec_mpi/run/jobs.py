@@ -58,7 +58,7 @@ class Job:
     warmup: bool
     sample_idx: int = 0
     batch_size: int = 1
-    phase: int = 0
+    phase: int = 0  # the number its phase's first job has (0: a warm-up), unique in the replica
     slot: int = 0
 
     @property
@@ -224,17 +224,19 @@ def plan_jobs(
     round only), then per batch size one phase with the methods interleaved per prompt (batch 1:
     A B C A B C, so drifting memory bandwidth hits every method alike) or one phase per method
     (batched: a batch holds one method's sequences, so its throughput is that method's alone).
-    Jobs are numbered from ``first_seq`` + 1; those in ``done`` (a resumed run's) are left out."""
+    Jobs are numbered from ``first_seq`` + 1, a phase by its first job's number (so that a
+    phase's records are told apart from a later phase's, of this round or another, at the same
+    batch size); those in ``done`` (a resumed run's) are left out."""
     methods = _methods(cfg)
     jobs: list[Job] = []
-    seq, phase = first_seq, 0
+    seq = first_seq
     for p in prompts[: _warmups(cfg, len(prompts)) if warmups else 0]:
         for m in methods:
             seq += 1
             jobs.append(Job(seq, p, m, warmup=True))
     for b in batch_sizes(cfg):
         for group in [methods] if b == 1 else [[m] for m in methods]:
-            phase += 1
+            phase = seq + 1
             for p in prompts:
                 for k in range(cfg.sampling.num_samples):
                     for m in group:

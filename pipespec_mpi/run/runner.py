@@ -150,7 +150,7 @@ class Runner:
             if collector is not None:
                 collector.skipped(earlier)
             index.update({job.seq: len(index) + i for i, job in enumerate(jobs)})
-            n_done, n_left = self._decode(phases(jobs), loops, slot, links)
+            n_done, n_left = self._decode(phases(jobs), loops, slot, links, loaded.cpus)
             done += n_done
         if collector is not None:
             collector.close()
@@ -189,17 +189,20 @@ class Runner:
         loops: list[StageLoop],
         slot: Callable[[int, list[Job], JobQueue | None], StageProcess],
         links: setup.Links,
+        cpus: setup.CpuPlacement,
     ) -> tuple[int, int]:
         """Drive the stage over the phases (``slot(s, jobs, queue)`` builds slot s's process):
         one slot alone at batch 1, a ``BatchedStage`` over B slots else, which take the phase's
-        jobs from one queue (stage/deal.py). Returns the jobs handed over and those not started
-        (the replica agreed to stop: later phases are not started)."""
+        jobs from one queue (stage/deal.py), each phase on the CPUs ``cpus`` gives its batch
+        size. Returns the jobs handed over and those not started (the replica agreed to stop:
+        later phases are not started)."""
         done = left = 0
         for g, group in enumerate(groups):
             size = group[0].batch_size
             b = min(size, len(group))
             for loop in loops:  # between phases: no prompt is in flight
                 loop.cfg = self.cfg.decode.for_batch(size)
+            cpus.enter(size)
             queue = None if b == 1 else JobQueue(len(group))
             slots = [slot(s, group, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)

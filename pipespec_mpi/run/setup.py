@@ -27,7 +27,7 @@ from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.stage.wait import wait_until
-from pipespec_mpi.topology import CpuShare, Placement, device_for, share_cpus
+from pipespec_mpi.topology import CpuShare, Placement, binds, device_for, share_cpus
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -51,17 +51,36 @@ def resolve_transport(kind: str) -> str:
     return "nccl" if torch.cuda.is_available() else "mpi"
 
 
-def place_cpus(world: World, n_stages: int, bind: str, threads: int | None) -> CpuShare:
-    """Bind this rank and set its torch threads (``topology.share_cpus``) from every rank's CPU
-    affinity (collective over ``world.comm``)."""
+class CpuPlacement:
+    """This rank's torch threads, and its CPUs phase by phase: ``share.cpus`` in the phases
+    ``run.cpu_bind`` binds (``topology.binds``), else the CPUs it was launched with."""
+
+    def __init__(self, share: CpuShare, mode: str) -> None:
+        self.share, self.mode = share, mode
+        self.home = self.current = frozenset(os.sched_getaffinity(0))
+
+    @property
+    def threads(self) -> int:
+        return self.share.threads
+
+    def enter(self, batch_size: int) -> None:
+        """Bind (or unbind) for a phase at ``batch_size``."""
+        bound = self.share.cpus is not None and binds(self.mode, batch_size)
+        want = frozenset(self.share.cpus) if bound else self.home
+        if want != self.current:
+            os.sched_setaffinity(0, want)
+            self.current = want
+
+
+def place_cpus(world: World, n_stages: int, mode: str, threads: int | None) -> CpuPlacement:
+    """This rank's share of its node (``topology.share_cpus``, from every rank's CPU affinity:
+    collective over ``world.comm``), its torch threads set."""
     import torch
 
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
-    share = share_cpus(world.rank, world.hosts, affinities, n_stages, bind, threads)
-    if share.cpus is not None:
-        os.sched_setaffinity(0, share.cpus)
+    share = share_cpus(world.rank, world.hosts, affinities, n_stages, threads)
     torch.set_num_threads(share.threads)
-    return share
+    return CpuPlacement(share, mode)
 
 
 @dataclass
@@ -69,7 +88,7 @@ class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
     transport: str
-    cpus: CpuShare
+    cpus: CpuPlacement
     cuda_devices: list[int]
     tokenizer: Any
     feed: RowFeed  # this replica's prompts, a round at a time (run/rows.py)
@@ -114,7 +133,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
         log.info(
             "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
-            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.share.where, transport),
         )
         context = smallest_context(cfg, pl, comm, model)
 

@@ -16,13 +16,14 @@ from pipespec_mpi.auto.measured import (
     candidates,
     lookup_rates,
     run_trace,
-    threads_per_rank,
+    stage_shares,
 )
 from pipespec_mpi.config import DecodeConfig, StageConfig, compose_config
 from pipespec_mpi.plan.options import AUTO_GRID
 from pipespec_mpi.plan.realize import realize
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
+from pipespec_mpi.topology import CpuShare
 
 
 def predict(m, decode, max_stages, margin, seeds=(0,), batch_sizes=(1,)):
@@ -51,10 +52,18 @@ def test_candidates_end_with_the_target_keep_lookup_first_and_copies_with_their_
 @pytest.mark.parametrize(
     "k,replicas,cores,ranks,bound,want",
     [(1, 1, 2, 3, False, 2), (2, 1, 2, 3, False, 1), (3, 1, 2, 3, False, 1), (2, 2, 8, 4, False, 2),
-     (2, 1, 16, 3, False, 8), (3, 1, 4, 3, True, 4)],
+     (2, 1, 16, 3, False, 8), (3, 1, 4, 3, True, 4), (3, 1, 16, 1, False, 16)],
 )  # fmt: skip
 def test_threads_split_the_node_among_the_ranks_that_run(k, replicas, cores, ranks, bound, want):
-    assert threads_per_rank(k, replicas, cores, ranks, bound) == want
+    got = stage_shares(k, replicas, range(cores), ranks, bound)
+    assert len(got) == k and {s.threads for s in got} == {want}
+
+
+def test_a_pipeline_is_measured_on_the_cpus_its_ranks_are_bound_to():
+    # three stages on two CPUs: the target alone on the last, as share_cpus binds the job's ranks
+    assert [s.cpus for s in stage_shares(3, 1, (0, 1), 3, False, bind=True)] == [(0,), (0,), (1,)]
+    assert [s.cpus for s in stage_shares(3, 1, (0, 1), 3, False)] == [None] * 3  # a phase that does not bind
+    assert [s.cpus for s in stage_shares(2, 1, (0, 1), 3, False, bind=True)] == [None] * 2  # not outnumbered
 
 
 def agreement(target_path, *stages_props):
@@ -282,17 +291,18 @@ def test_a_disturbed_pipeline_timing_is_timed_again():
         def __init__(self, first: dict, later: dict) -> None:
             self.first, self.later, self.calls = first, later, []
 
-        def costs(self, p, threads, context, token_counts, repeats):
+        def costs(self, p, shares, context, token_counts, repeats):
             ms = (self.later if p in self.calls else self.first)[p]
             self.calls.append(p)
             return [StageCost(((1, 0.001),))] * (len(p) - 1) + [StageCost(((1, ms / 1e3),))]
 
     ps = [(3,), (0, 3), (1, 3), (2, 3)]
+    shares = {1: (CpuShare(2),), 2: (CpuShare(1),) * 2}
     calm = {(3,): 34.0, (0, 3): 38.0, (1, 3): 50.0, (2, 3): 57.0}
     w = Timings({**calm, (1, 3): 600.0}, calm)
-    got, check = measure_costs(w, ps, {1: 2, 2: 1}, [1, 2], (1,), 3, factor=1.5)
+    got, check = measure_costs(w, ps, shares, [1, 2], (1,), 3, factor=1.5)
     assert check.remeasured == ((1, 3),) and check.still_off == () and w.calls.count((1, 3)) == 2
     assert got[(1, 3)][-1].one_token_s == 0.050
     w = Timings({**calm, (1, 3): 600.0}, {**calm, (1, 3): 700.0})
-    _, check = measure_costs(w, ps, {1: 2, 2: 1}, [1, 2], (1,), 3, factor=1.5)
+    _, check = measure_costs(w, ps, shares, [1, 2], (1,), 3, factor=1.5)
     assert check.still_off == ((1, 3),) and check.to_json() == {"remeasured": [[1, 3]], "still_off": [[1, 3]]}

@@ -36,7 +36,7 @@ def test_a_stale_cached_cost_is_measured_again(tmp_path):
     from pipespec_mpi.models.loader import load_tokenizer
 
     cfg = compose_config([*QUICK, f"auto.cache_dir={tmp_path}"])
-    node = Node(cores=2, ranks_on_node=3, ranks_per_replica=3, bound=False)
+    node = Node.here(replicas=1, world_size=3, ranks_on_node=3, bound=False)
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
     prompts = calibration_prompts(cfg, tok)
     first = calibrate(cfg, prompts, tok.eos_token_id, node)
@@ -107,7 +107,7 @@ def test_costs_whose_timings_still_disagree_are_used_but_not_cached(tmp_path, mo
 
     monkeypatch.setattr(calibrate_module, "measure_costs", disturbed)
     cfg = compose_config([*QUICK, f"auto.cache_dir={tmp_path}"])
-    node = Node(cores=2, ranks_on_node=3, ranks_per_replica=3, bound=False)
+    node = Node.here(replicas=1, world_size=3, ranks_on_node=3, bound=False)
     from pipespec_mpi.models.loader import load_tokenizer
 
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)

@@ -17,18 +17,21 @@ def test_a_batch_sweep_runs_batch_1_interleaved_then_one_phase_per_method_and_si
     groups = phases(jobs)
     assert [(g[0].phase, g[0].batch_size, {j.method for j in g}, len(g)) for g in groups] == [
         (0, 1, {"ar", "pipespec"}, 2),  # warm-up
-        (1, 1, {"ar", "pipespec"}, 10),  # A B A B ...
-        (2, 2, {"ar"}, 5),
-        (3, 2, {"pipespec"}, 5),
+        (3, 1, {"ar", "pipespec"}, 10),  # A B A B ... (a phase: its first job's number)
+        (13, 2, {"ar"}, 5),
+        (18, 2, {"pipespec"}, 5),
     ]
     assert [j.method for j in groups[1][:4]] == ["ar", "pipespec", "ar", "pipespec"]
     assert len({j.seq for j in jobs}) == len(jobs)  # the tag of every header and message
+    # a later round's phases (numbered on from this round's jobs) are told apart from these
+    later = plan_jobs(cfg, PROMPTS, set(), warmups=False, first_seq=len(jobs))
+    assert not {j.phase for j in later} & {j.phase for j in jobs}
 
 
 def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size():
     cfg = compose_config(["hierarchy=tiny", "method=sd", "decode.batch_size=3"])
     jobs = plan_jobs(cfg, PROMPTS, set())
-    assert {(j.method, j.batch_size, j.phase) for j in jobs} == {("sd", 3, 1)}
+    assert {(j.method, j.batch_size, j.phase) for j in jobs} == {("sd", 3, 1)}  # job 1 begins it
     assert len(phases(jobs)) == 1
     done = {("p0", "sd", 0, 3), ("p1", "sd", 0, 1)}  # p1 was decoded at another batch size
     assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, done)] == ["p1", "p2", "p3", "p4"]

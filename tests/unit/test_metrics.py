@@ -113,11 +113,29 @@ def test_energy_integration_and_per_token_accounting():
     assert "energy_j_per_token_system" not in cpu.to_json()  # absent from summary.json on CPUs
 
 
-def _batched(method, pid, n, t0, wall, b, replica=0):
+def _batched(method, pid, n, t0, wall, b, replica=0, phase=None):
     r = _rec(method, pid, n, wall)
-    r.batch_size, r.replica = b, replica
+    r.batch_size, r.replica, r.phase = b, replica, phase
     r.stages[-1].t0_perf_counter = t0
     return r
+
+
+def test_phases_of_one_batch_size_that_ran_apart_are_timed_each_over_its_own_span():
+    """``run.batch_sizes=[4,16,4]``: the two batch-4 phases' records form one group; its time is
+    each phase's span, not the stretch from the first's start to the second's end (the batch-16
+    phase between them is not batch 4's time)."""
+    recs = [
+        _batched("ar", "a", 10, 100.0, 1.0, 4, phase=2), _batched("ar", "b", 10, 100.5, 1.0, 4, phase=2),
+        _batched("ar", "a", 10, 102.0, 5.0, 16, phase=5),
+        _batched("ar", "a", 10, 110.0, 1.0, 4, phase=8), _batched("ar", "b", 10, 110.0, 0.5, 4, phase=8),
+    ]  # fmt: skip
+    s = summarize(recs)
+    assert s["ar@b4"].wall_s == pytest.approx(1.5 + 1.0)
+    assert s["ar@b16"].wall_s == pytest.approx(5.0)
+    # records written before the phase was: one span per replica, as then
+    for r in recs:
+        r.phase = None
+    assert summarize(recs)["ar@b4"].wall_s == pytest.approx(11.0)
 
 
 def test_batched_throughput_is_over_the_phase_span_and_compared_at_the_same_batch_size():

@@ -1,6 +1,6 @@
 import pytest
 
-from pipespec_mpi.topology import CpuShare, TopologyError, check_world, device_for, place, share_cpus
+from pipespec_mpi.topology import CpuShare, TopologyError, binds, check_world, device_for, place, share_cpus
 
 
 @pytest.mark.parametrize("world,stages", [(3, 3), (6, 3), (2, 2), (8, 2), (1, 1), (4, 4)])
@@ -34,9 +34,9 @@ def test_devices_follow_stage_gpu_counts():
     assert device_for([1], 0, 0, 0) == []
 
 
-def shares(hosts, affinities, n_stages, bind="auto", threads=None):
+def shares(hosts, affinities, n_stages, threads=None):
     aff = [frozenset(a) for a in affinities]
-    return [share_cpus(r, hosts, aff, n_stages, bind, threads) for r in range(len(hosts))]
+    return [share_cpus(r, hosts, aff, n_stages, threads) for r in range(len(hosts))]
 
 
 def test_a_pipeline_on_fewer_cpus_than_ranks_gives_its_last_stage_a_cpu_of_its_own():
@@ -59,8 +59,12 @@ def test_nobody_is_bound_where_the_cpus_suffice_or_are_too_few_for_a_spare():
     assert shares(["a"] * 6, [{0, 1}] * 6, 3) == [CpuShare(1)] * 6
     # one-stage pipelines (AR): every rank is a last stage
     assert shares(["a"] * 3, [{0, 1}] * 3, 1) == [CpuShare(1)] * 3
-    # the user turned it off
-    assert shares(["a"] * 3, [{0, 1}] * 3, 3, bind="none") == [CpuShare(1)] * 3
+
+
+def test_batched_phases_bind_under_auto_and_batch_1_does_not():
+    assert [binds("auto", b) for b in (1, 2, 16)] == [False, True, True]
+    assert [binds("always", b) for b in (1, 4)] == [True, True]
+    assert [binds("none", b) for b in (1, 4)] == [False, False]
 
 
 def test_a_launcher_that_bound_the_ranks_decides():
