@@ -110,10 +110,6 @@ class CpuShare:
     threads: int
     cpus: tuple[int, ...] | None = None
 
-    @property
-    def where(self) -> str:
-        return "its launched CPUs" if self.cpus is None else "CPUs " + ",".join(map(str, self.cpus))
-
 
 def share_cpus(
     rank: int,

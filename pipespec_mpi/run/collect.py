@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.records import Record, drop_torn_tail
@@ -18,6 +19,9 @@ from pipespec_mpi.run.jobs import Job
 from pipespec_mpi.stage.deal import END, JobQueue
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 from pipespec_mpi.topology import Placement
+
+if TYPE_CHECKING:
+    from pipespec_mpi.run.setup import CpuPlacement
 
 STATS_TAG = 11
 log = logging.getLogger("pipespec_mpi")
@@ -90,11 +94,11 @@ class LeaderHandoff:
     assembles the record."""
 
     def __init__(
-        self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None, threads: int = 0,
-        n_gpus: int = 0, slot: int = 0,
+        self, comm, stage: int, n_stages: int, gpu_monitor, on_record: OnStats | None,
+        cpus: CpuPlacement | None = None, n_gpus: int = 0, slot: int = 0,
     ) -> None:  # fmt: skip
         self.comm, self.stage, self.leader, self.slot = comm, stage, n_stages - 1, slot
-        self.threads, self.n_gpus = threads, n_gpus
+        self.cpus, self.n_gpus = cpus, n_gpus
         self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
         self.on_record = on_record  # the leader's: (job, its outcome, every stage's stats) -> None
         self.req = None
@@ -105,7 +109,9 @@ class LeaderHandoff:
     def post(self, job: Job, outcome: StageOutcome) -> None:
         outcome.stats.gpus = self.gpu_monitor.stop()
         outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        outcome.stats.threads, outcome.stats.n_gpus = self.threads, self.n_gpus
+        if self.cpus is not None:
+            outcome.stats.threads, outcome.stats.cpus = self.cpus.threads, self.cpus.bound
+        outcome.stats.n_gpus = self.n_gpus
         if self.stage != self.leader:
             self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)
             return

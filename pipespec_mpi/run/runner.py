@@ -121,7 +121,7 @@ class Runner:
             comm = slot_links[s].replica_comm
             handoff = LeaderHandoff(
                 comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
-                threads=loaded.cpus.threads, slot=s,
+                cpus=loaded.cpus, slot=s,
                 n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
             )  # fmt: skip
             return StageProcess(

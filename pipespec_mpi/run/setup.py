@@ -63,6 +63,20 @@ class CpuPlacement:
     def threads(self) -> int:
         return self.share.threads
 
+    @property
+    def where(self) -> str:
+        """Where it computes, for the log."""
+        bound_at = {b: binds(self.mode, b) for b in (1, 2)}
+        if self.share.cpus is None or not any(bound_at.values()):
+            return "its launched CPUs"
+        cpus = "CPUs " + ",".join(map(str, self.share.cpus))
+        return cpus if all(bound_at.values()) else f"{cpus} in batched phases (its launched CPUs at batch 1)"
+
+    @property
+    def bound(self) -> list[int] | None:
+        """The CPUs it is bound to now (None: those it was launched with)."""
+        return None if self.current == self.home else sorted(self.current)
+
     def enter(self, batch_size: int) -> None:
         """Bind (or unbind) for a phase at ``batch_size``."""
         bound = self.share.cpus is not None and binds(self.mode, batch_size)
@@ -133,7 +147,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
         log.info(
             "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
-            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.share.where, transport),
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),
         )
         context = smallest_context(cfg, pl, comm, model)
 

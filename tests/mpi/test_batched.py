@@ -10,6 +10,7 @@ equality is exact too.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import launch_ok
@@ -76,6 +77,33 @@ def test_every_method_at_every_batch_size_equals_ar(tmp_path, hier):
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / ar["tokens_per_s"])
     ps = [r for r in recs if r["method"] == "pipespec" and r["batch_size"] == 4]
     assert sum(r["stages"][-1]["tokens_accepted"] for r in ps) > 0  # verification happened, batched
+
+
+def test_batched_phases_bind_the_last_stage_to_a_cpu_of_its_own(tmp_path):
+    """Three ranks on two CPUs (the test binds itself to two; mpirun's ranks inherit them), the
+    launcher binding none: each record says where each stage ran. Batch 1 stays as launched
+    (``run.cpu_bind=auto``), the batch-2 phase puts the last stage alone on the second CPU and
+    the others on the first; outputs equal AR's either way."""
+    home = os.sched_getaffinity(0)
+    if len(home) < 2:
+        pytest.skip("needs two CPUs")
+    two = sorted(home)[:2]
+    os.sched_setaffinity(0, two)
+    try:
+        recs = launch_ok(
+            3,
+            ["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]", "run.batch_sizes=[1,2]",
+             "decode.max_new_tokens=12", "dataset.n_prompts=3"],
+            tmp_path,
+        )  # fmt: skip
+    finally:
+        os.sched_setaffinity(0, home)
+    assert_all_equal_ar(recs, {(m, b) for m in ("ar", "pipespec") for b in (1, 2)})
+    for r in recs:
+        got = [st["cpus"] for st in r["stages"]]
+        want = [None] * 3 if r["batch_size"] == 1 else [[two[0]], [two[0]], [two[1]]]
+        assert got == want, (r["method"], r["batch_size"], got)
+        assert {st["threads"] for st in r["stages"]} == {1}
 
 
 @pytest.mark.parametrize("transport", ["mpi", "gloo"])
