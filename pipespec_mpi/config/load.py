@@ -170,6 +170,8 @@ def validate(cfg: AppConfig) -> list[str]:
                 p.append(f"{where}.corpus={s.corpus!r}: no such file")
         if s.kind == "lowbit_copy" and s.weights not in WEIGHT_FORMATS:
             p.append(f"{where}.weights={s.weights!r}: must be one of {WEIGHT_FORMATS}")
+        if s.dense_rows is not None and s.dense_rows < 0:
+            p.append(f"{where}.dense_rows={s.dense_rows}: must be >= 0 (0: never), or null (by CPU)")
         if s.kind in ("int8_copy", "lowbit_copy") and (
             s.copy_of is None or not 0 <= s.copy_of < len(h.stages) or s.copy_of == i
         ):

@@ -87,6 +87,9 @@ class StageConfig:
     noise: float = 0.0
     copy_of: int | None = None
     weights: str = "int8"  # lowbit_copy: the stored format (WEIGHT_FORMATS); int8 by measurement
+    dense_rows: int | None = None  # lowbit_copy: forwards of this many rows or more (prefills, wide
+    # batches) run torch's GEMM instead of the kernel; None: by format where the CPU has AMX, else never;
+    # 0: never (models/lowbit.py dense_rows)
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     ngram: int = 3
     max_proposal: int = 8  # prompt_lookup, suffix: most tokens per proposal

@@ -125,7 +125,7 @@ def _load_torch_model(
             return _int8_dynamic(src)
         from pipespec_mpi.models.lowbit import use_lowbit_linear
 
-        use_lowbit_linear(src.float(), stage.weights)
+        use_lowbit_linear(src.float(), stage.weights, dense=stage.dense_rows)
         return src
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no torch model")
 

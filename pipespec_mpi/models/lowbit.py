@@ -26,6 +26,15 @@ dequantised from them (the embedded SmolLM2 is such a model: its float32 weights
 GGUF's Q4_1 linears and Q8_0 embedding), and the kernel dequantises in the same float32 order as
 gguf-py (a multiply, then an add; no fused multiply-add), so such a copy computes bitwise what the
 float32 model computes, from a quarter of the bytes. On other models q4 is a real quantisation.
+
+Many rows (a prompt's prefill, a wide batched forward) are compute-bound, and there the kernel's
+cost grows with the rows (16 rows: ~2x one row; a 150-token prefill of the int8 SmolLM2 copy took
+0.38 s against the float32 target's 0.32 s on a 2-core Xeon with AMX, 2026-12-04). From
+``dense_rows`` rows a layer hands the product to torch's GEMM instead (``dense_linear``; oneDNN
+runs it on AMX tiles where the CPU has them): w8a8 as an int8 x int8 -> int32 product, bitwise
+the kernel's result; the other formats with bfloat16 activations and weights (int8 weights are
+exact in bfloat16, their scale applied after the sum) and a bfloat16 result, a drafter's
+numerics only (relative error ~3e-3). Measured there: the int8 copy's prefill 0.38 -> 0.16 s.
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ BLOCK = 32
 FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")
 
 _FUNCTIONS = ["bf16_linear", "int8_linear", "q8_linear", "q4_linear", "w8a8_linear"]
+# Rows from which ``dense_linear`` beats the kernel on a CPU with AMX; below them widening the
+# weights per call costs more than the GEMM saves (bench/dense_rows.py, the SmolLM2 copy's forward,
+# one thread, 2-core Xeon with AMX, 2026-12-04, ms kernel / dense: int8 24 rows 82 / 86, 32 rows
+# 105 / 94, 150 rows 417 / 183; w8a8 32 rows 62 / 72, 48 rows 87 / 84, 150 rows 238 / 189; bf16
+# 8 rows 50 / 60, 16 rows 74 / 66; q8 64 rows 203 / 201; q4 64 rows 229 / 288, 150 rows 534 / 337).
+DENSE_ROWS = {"bf16": 16, "int8": 32, "q8": 64, "q4": 128, "w8a8": 48}
 
 
 def extension(isa: str | None = None):
@@ -134,18 +149,50 @@ def reference_linear(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tenso
     return acc.float() * (sx[:, None] * sw[None, :])
 
 
+def dense_linear(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] float32 times the weights, through torch's GEMM with the weights widened per
+    call (no second copy is kept): w8a8 bitwise as the kernel (the same row quantisation, exact
+    int32 sums, the same scaling); the other formats in bfloat16 with float32 accumulation."""
+    if fmt == "w8a8":
+        q, sw, _ = tensors
+        xq, sx = quantize_rows(x)
+        acc = torch._int_mm(xq.to(torch.int8), q.T)  # [M, N] int32, exact
+        return acc.float() * (sx[:, None] * sw[None, :])
+    xb = x.to(torch.bfloat16)
+    if fmt == "int8":
+        q, s = tensors[:2]
+        return (xb @ q.to(torch.bfloat16).T).float() * s  # |q| <= 127: exact in bfloat16
+    w = tensors[0] if fmt == "bf16" else dequantize(fmt, tensors).to(torch.bfloat16)
+    return (xb @ w.T).float()
+
+
+def dense_rows(fmt: str, requested: int | None) -> int:
+    """The row count from which a ``fmt`` layer computes through ``dense_linear`` (0: never).
+    ``requested`` None: ``DENSE_ROWS[fmt]`` where the CPU has the AMX tiles the GEMM would run on
+    (int8 for w8a8, bfloat16 for the rest), else never; elsewhere torch's GEMM on these types is
+    no faster than the kernel."""
+    if requested is not None:
+        return requested
+    return DENSE_ROWS[fmt] if ("amx_int8" if fmt == "w8a8" else "amx_bf16") in cpu_flags() else 0
+
+
 # --- the layer -----------------------------------------------------------------------------------
 
 
 class LowBitLinear(torch.nn.Module):
     """Drop-in for a CPU nn.Linear whose weights are stored in ``fmt`` (see the module docstring).
 
-    Every row count goes through the kernel (prefill too: there is no float32 weight to hand to
-    torch's GEMM); without a kernel (a CPU with neither AVX-512 nor AVX2) the weights are
-    dequantised per call, correct but slow."""
+    Forwards of fewer than ``dense`` rows (every forward where ``dense`` is 0) go through the
+    kernel, the others through ``dense_linear``; without a kernel (a CPU with neither AVX-512 nor
+    AVX2) the weights are dequantised per call, correct but slow."""
 
     def __init__(
-        self, fmt: str, tensors: tuple[torch.Tensor, ...], bias: torch.Tensor | None, kernel
+        self,
+        fmt: str,
+        tensors: tuple[torch.Tensor, ...],
+        bias: torch.Tensor | None,
+        kernel,
+        dense: int = 0,
     ) -> None:
         super().__init__()
         self.fmt = fmt
@@ -157,11 +204,12 @@ class LowBitLinear(torch.nn.Module):
         self.bias = bias
         self.kernel = kernel
         self._fn = getattr(kernel, f"{fmt}_linear") if kernel is not None else None
+        self.dense = dense
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Module, fmt: str, kernel) -> LowBitLinear:
+    def from_linear(cls, linear: torch.nn.Module, fmt: str, kernel, dense: int = 0) -> LowBitLinear:
         bias = None if linear.bias is None else linear.bias.detach().float()
-        return cls(fmt, quantize(linear.weight, fmt), bias, kernel)
+        return cls(fmt, quantize(linear.weight, fmt), bias, kernel, dense)
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -172,7 +220,9 @@ class LowBitLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-        if self._fn is not None:  # noqa: SIM108 - the two paths read better apart
+        if 0 < self.dense <= x2.shape[0]:
+            y = dense_linear(self.fmt, self.tensors, x2)
+        elif self._fn is not None:
             y = self._fn(x2, *self.tensors)  # [M, N]
         else:
             y = reference_linear(self.fmt, self.tensors, x2)
@@ -185,7 +235,10 @@ class LowBitLinear(torch.nn.Module):
         """As FlatLinear.concat: one layer for ``parts`` side by side, bitwise their outputs (each
         output row keeps its weights, scales and dot product); the parts become views of it."""
         p0 = parts[0]
-        if any(p.bias is not None or p.fmt != p0.fmt or p.kernel is not p0.kernel for p in parts):
+        if any(
+            p.bias is not None or p.fmt != p0.fmt or p.kernel is not p0.kernel or p.dense != p0.dense
+            for p in parts
+        ):
             return None
         fused = tuple(torch.cat(ts) for ts in zip(*(p.tensors for p in parts), strict=True))
         start = 0
@@ -194,10 +247,11 @@ class LowBitLinear(torch.nn.Module):
             for name, t in zip(p.names, fused, strict=True):
                 setattr(p, name, t[start : start + n])
             start += n
-        return cls(p0.fmt, fused, None, p0.kernel)
+        return cls(p0.fmt, fused, None, p0.kernel, p0.dense)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.fmt}"
+        dense = f", dense from {self.dense} rows" if self.dense else ""
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}{dense}"
 
 
 def head_format(fmt: str) -> str:
@@ -206,10 +260,12 @@ def head_format(fmt: str) -> str:
     return "q8" if fmt == "q4" else fmt
 
 
-def use_lowbit_linear(model: torch.nn.Module, fmt: str, isa: str | None = None) -> int:
+def use_lowbit_linear(
+    model: torch.nn.Module, fmt: str, isa: str | None = None, dense: int | None = None
+) -> int:
     """Replace the nn.Linear layers of a CPU ``model`` by ``fmt`` copies (the output layer by
     ``head_format(fmt)``); returns how many were replaced. Layers whose input size is not a
-    multiple of 32 stay as they are."""
+    multiple of 32 stay as they are. ``dense``: as ``dense_rows``' ``requested``."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
     kernel = extension(isa)
@@ -222,6 +278,6 @@ def use_lowbit_linear(model: torch.nn.Module, fmt: str, isa: str | None = None) 
             if type(child) is not torch.nn.Linear or child.in_features % (64 if fmt == "w8a8" else BLOCK):
                 continue
             f = head_format(fmt) if child is head else fmt
-            setattr(parent, name, LowBitLinear.from_linear(child, f, kernel))
+            setattr(parent, name, LowBitLinear.from_linear(child, f, kernel, dense_rows(f, dense)))
             count += 1
     return count

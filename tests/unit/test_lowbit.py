@@ -11,8 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipespec_mpi.config import ConfigError, compose_config, validate
 from pipespec_mpi.models import flat_linear
 from pipespec_mpi.models.lowbit import (
+    DENSE_ROWS,
     FORMATS,
     LowBitLinear,
+    dense_rows,
     dequantize,
     extension,
     quantize,
@@ -101,7 +103,7 @@ def small_llama() -> LlamaForCausalLM:
 def test_copy_computes_with_its_dequantised_weights(fmt):
     model = small_llama()
     low = copy.deepcopy(model)
-    assert use_lowbit_linear(low, fmt) == 2 * 7 + 1
+    assert use_lowbit_linear(low, fmt, dense=0) == 2 * 7 + 1  # the kernel at every row count
     assert isinstance(low.lm_head, LowBitLinear)
     assert low.lm_head.fmt == ("q8" if fmt == "q4" else fmt)  # the output layer keeps 8 bits
     assert low.model.embed_tokens.weight.dtype == torch.float32  # the lookup table is untouched
@@ -117,7 +119,43 @@ def test_copy_computes_with_its_dequantised_weights(fmt):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_from_dense_rows_on_a_forward_is_torchs_gemm_and_w8a8_stays_bitwise(fmt):
+    """Forwards of ``dense`` rows or more run ``dense_linear``: w8a8 bitwise the kernel's result
+    (the same integers and scaling), the others within bfloat16's rounding; fewer rows still run
+    the kernel, bitwise."""
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(128, 70, bias=True)
+    kernel_only = LowBitLinear.from_linear(lin, fmt, extension(), dense=0)
+    dense = LowBitLinear.from_linear(lin, fmt, extension(), dense=3)
+    assert "dense from 3 rows" in repr(dense)
+    x = torch.randn(1, 7, 128)
+    with torch.inference_mode():
+        want, got = kernel_only(x), dense(x)
+        assert torch.equal(dense(x[:, :2]), kernel_only(x[:, :2]))
+    assert got.shape == want.shape == (1, 7, 70)
+    if fmt == "w8a8":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+def test_dense_rows_are_chosen_by_the_cpus_amx_tiles(monkeypatch):
+    from pipespec_mpi.models import lowbit
+
+    monkeypatch.setattr(lowbit, "cpu_flags", lambda: {"avx512f", "avx512_vnni", "avx512_bf16"})
+    assert [dense_rows(f, None) for f in FORMATS] == [0] * len(FORMATS)  # no AMX: the kernel
+    monkeypatch.setattr(lowbit, "cpu_flags", lambda: {"amx_bf16"})
+    assert dense_rows("int8", None) == DENSE_ROWS["int8"] and dense_rows("w8a8", None) == 0
+    monkeypatch.setattr(lowbit, "cpu_flags", lambda: {"amx_int8"})
+    assert dense_rows("w8a8", None) == DENSE_ROWS["w8a8"] and dense_rows("q4", None) == 0
+    assert dense_rows("w8a8", 0) == 0 and dense_rows("int8", 5) == 5  # a configured count wins
+
+
 def test_lowbit_copy_config_is_validated():
+    with pytest.raises(ConfigError, match=r"stages\[1\] \(smollm2-135m-w8\)\.dense_rows=-1: must be >= 0"):
+        compose_config(["hierarchy=smollm2", "hierarchy.stages.1.dense_rows=-1"])
     with pytest.raises(ConfigError, match="weights='q3'"):
         compose_config(
             ["hierarchy=smollm2", "hierarchy.stages.1.kind=lowbit_copy", "hierarchy.stages.1.weights=q3"]
