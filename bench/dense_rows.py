@@ -4,8 +4,9 @@
                                          [--threads 1] [--context 200] [--rounds 7]
 
 The SmolLM2-135M copy as the default hierarchy's middle stage loads it (lean forward, fused
-layers), once with ``dense_rows=0`` (kernel only) and once with ``dense_rows=3`` (every forward of 3 rows or more; the output layer, over 2 rows, stays on the kernel
-through ``models/lowbit.py dense_linear``). Each round times every (format, path, k) once in a
+layers), once with ``dense_rows=0`` (kernel only) and once with ``dense_rows=3`` (every forward of
+3 rows or more through ``models/lowbit.py dense_linear``; the output layer, over 2 rows, stays on
+the kernel). Each round times every (format, path, k) once in a
 shuffled order: a k-token forward after the same context (the context's prefill not timed), so a
 drifting machine hits all alike. Prints medians and the dense/kernel ratio: the rows where it
 falls below 1 are where ``lowbit.DENSE_ROWS`` should lie on this CPU.
