@@ -194,18 +194,23 @@ def test_w8a8_copy_keeps_layers_it_cannot_take_and_stays_close():
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_loader_builds_a_lowbit_copy_that_tracks_its_source(fmt):
+@pytest.mark.parametrize(("fmt", "dense"), [("int8", "null"), ("q4", "null"), ("int8", "3"), ("w8a8", "3")])
+def test_loader_builds_a_lowbit_copy_that_tracks_its_source(fmt, dense):
     """kind=lowbit_copy through the loader: a CPU scorer over the source's weights in ``fmt``
-    whose greedy choices follow the source's on a prompt."""
+    whose greedy choices follow the source's on a prompt, with its layers' ``dense_rows`` as
+    configured (prefill and 4-row verifications then run torch's GEMM)."""
     from pipespec_mpi.models.loader import load_stage
 
     cfg = compose_config(
         ["hierarchy=tiny", "hierarchy.stages.2.dtype=float32", "hierarchy.stages.0.kind=lowbit_copy",
-         "hierarchy.stages.0.copy_of=2", f"hierarchy.stages.0.weights={fmt}"]
+         "hierarchy.stages.0.copy_of=2", f"hierarchy.stages.0.weights={fmt}",
+         f"hierarchy.stages.0.dense_rows={dense}"]
     )  # fmt: skip
     copy_, target = load_stage(cfg.hierarchy, 0, []), load_stage(cfg.hierarchy, 2, [])
-    assert any(isinstance(m, LowBitLinear) for m in copy_.model.modules())
+    layers = [m for m in copy_.model.modules() if isinstance(m, LowBitLinear)]
+    assert layers
+    want = {dense_rows(m.fmt, None) for m in layers} if dense == "null" else {int(dense)}
+    assert {m.dense for m in layers} == want
     prompt = list(range(40, 80))
     for m in (copy_, target):
         m.prefill(prompt, room=8)
