@@ -91,6 +91,8 @@ class StageConfig:
     # batches) run torch's GEMM instead of the kernel; None: by format where the CPU has AMX, else never;
     # 0: never (models/lowbit.py dense_rows)
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
+    exact_blocks: bool = True  # flat_linear: a layer whose weights are exactly Q4_1/Q8_0 blocks (a
+    # GGUF dequantised, as the embedded SmolLM2) reads the blocks: bitwise the same, fewer bytes
     ngram: int = 3
     max_proposal: int = 8  # prompt_lookup, suffix: most tokens per proposal
     max_match: int = 16  # suffix: longest suffix matched

@@ -10,9 +10,14 @@ streamed from memory once for all rows at close to the one-row speed.
 
 Every output element is the same dot product accumulated in the same order whatever M is, so a
 row's result does not depend on how many rows travel with it: a one-token step (AR) and a k-token
-verification compute bitwise the same linear layers for the same inputs. The kernel is compiled
-once per machine and ISA (torch.utils.cpp_extension, cached in ~/.cache/torch_extensions); where
-it cannot be, the model keeps torch's matmul and a warning says so.
+verification compute bitwise the same linear layers for the same inputs. A layer whose float32
+weights are exactly llama.cpp blocks (``lowbit.exact_blocks``: a model dequantised from a GGUF,
+as the embedded SmolLM2 is) reads the blocks instead in these forwards, through the low-bit
+kernel that computes bitwise the same dot products: the same outputs from about a quarter of the
+bytes (SmolLM2-135M's one-token step 52 -> 24 ms on a 2-core Xeon with AMX, 2026-12-04); larger
+forwards keep torch's GEMM on the float32 weights, so every output stays bitwise what it was.
+The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cached in
+~/.cache/torch_extensions); where it cannot be, the model keeps torch's matmul and a warning says so.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -99,21 +106,35 @@ def extension(isa: str | None = None):
     return build("pipespec_flat_linear_v3", source, ["small_m_linear", "lanes"], isa)
 
 
-class FlatLinear(torch.nn.Module):
-    """Drop-in for a float32 CPU nn.Linear: the flat kernel for 1..16 rows, torch otherwise."""
+class Blocks(NamedTuple):
+    """A float32 layer's weights held exactly in a low-bit block format, and the kernel for it."""
 
-    def __init__(self, linear: torch.nn.Linear, kernel) -> None:
+    fmt: str
+    tensors: tuple[torch.Tensor, ...]
+    fn: Callable[..., torch.Tensor]
+
+
+class FlatLinear(torch.nn.Module):
+    """Drop-in for a float32 CPU nn.Linear: the flat kernel for 1..16 rows (reading ``blocks``,
+    bitwise the same, where the weights have an exact block form), torch otherwise."""
+
+    def __init__(self, linear: torch.nn.Linear, kernel, blocks: Blocks | None = None) -> None:
         super().__init__()
         self.weight = linear.weight  # [out, in], shared (tied embeddings stay tied)
         self.bias = linear.bias
         self.kernel = kernel
+        self.blocks = blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         # More rows (a long prompt's prefill): torch's blocked GEMM is the better kernel.
         if rows > MAX_ROWS or x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        y = self.kernel.small_m_linear(x.reshape(rows, x.shape[-1]), self.weight)
+        x2 = x.reshape(rows, x.shape[-1])
+        if self.blocks is not None:
+            y = self.blocks.fn(x2, *self.blocks.tensors)
+        else:
+            y = self.kernel.small_m_linear(x2, self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -126,12 +147,22 @@ class FlatLinear(torch.nn.Module):
         if any(p.bias is not None or p.kernel is not parts[0].kernel for p in parts):
             return None
         fused = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
+        blocks = parts[0].blocks
+        if blocks is not None and all(p.blocks is not None and p.blocks.fmt == blocks.fmt for p in parts):
+            tensors = tuple(torch.cat(ts) for ts in zip(*(p.blocks.tensors for p in parts), strict=True))
+            blocks = Blocks(blocks.fmt, tensors, blocks.fn)
+        else:
+            blocks = None  # the fused layer reads the float32 weights: bitwise the same
         start = 0
         for p in parts:
             n = p.weight.shape[0]
             p.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
             start += n
-        return cls(types.SimpleNamespace(weight=fused, bias=None), parts[0].kernel)
+        return cls(types.SimpleNamespace(weight=fused, bias=None), parts[0].kernel, blocks)
+
+    def extra_repr(self) -> str:
+        blocks = f", reads {self.blocks.fmt} blocks" if self.blocks is not None else ""
+        return f"{self.weight.shape[1]} -> {self.weight.shape[0]}{blocks}"
 
 
 def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
@@ -144,12 +175,16 @@ def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     return kind.concat(parts)
 
 
-def use_flat_linear(model: torch.nn.Module, isa: str | None = None) -> int:
-    """Replace the float32 CPU nn.Linear layers of ``model``; returns how many were replaced."""
+def use_flat_linear(model: torch.nn.Module, isa: str | None = None, exact_blocks: bool = True) -> int:
+    """Replace the float32 CPU nn.Linear layers of ``model``; returns how many were replaced.
+    ``exact_blocks``: layers whose weights have an exact block form read it (``Blocks``)."""
     kernel = extension(isa)
     if kernel is None:
         return 0
-    count = 0
+    from pipespec_mpi.models import lowbit  # it builds on this module
+
+    lowbit_kernel = lowbit.extension(isa) if exact_blocks else None
+    count = blocked = 0
     for parent in model.modules():
         for name, child in list(parent.named_children()):
             if (
@@ -157,6 +192,13 @@ def use_flat_linear(model: torch.nn.Module, isa: str | None = None) -> int:
                 and child.weight.dtype == torch.float32
                 and child.weight.device.type == "cpu"
             ):
-                setattr(parent, name, FlatLinear(child, kernel))
+                exact = lowbit.exact_blocks(child.weight) if lowbit_kernel is not None else None
+                blocks = None
+                if exact is not None:
+                    blocks = Blocks(exact[0], exact[1], getattr(lowbit_kernel, f"{exact[0]}_linear"))
+                    blocked += 1
+                setattr(parent, name, FlatLinear(child, kernel, blocks))
                 count += 1
+    if blocked:
+        log.info("flat kernel: %d of %d float32 layers read their exact low-bit blocks", blocked, count)
     return count

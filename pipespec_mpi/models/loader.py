@@ -146,7 +146,7 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
         from pipespec_mpi.models.flat_linear import use_flat_linear
 
-        use_flat_linear(model)
+        use_flat_linear(model, exact_blocks=stage.exact_blocks)
     return KVScorer(stage.name, model, device)
 
 

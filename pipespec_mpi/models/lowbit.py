@@ -131,6 +131,28 @@ def dequantize(fmt: str, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
     raise ValueError(f"unknown weight format {fmt!r}")
 
 
+EXACT_FORMATS = ("q4", "q8")  # the block formats a float32 layer may be read from, fewest bytes first
+
+
+def exact_blocks(w: torch.Tensor) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """The fewest-bytes block format that holds ``w`` [N, K] float32 exactly, with its tensors,
+    or None. A model dequantised from a GGUF (the embedded SmolLM2: Q4_1 linears, a Q8_0
+    embedding) is such a model, and its kernel computes bitwise the float32 flat kernel's result
+    from these tensors (the same dequantisation and dot products), so the layer reads a quarter
+    of the bytes for the same outputs. Each format is tried on the first row before the whole
+    weight, so a weight that is not block-exact costs about one row's quantisation."""
+    w = w.detach()
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK:
+        return None
+    for fmt in EXACT_FORMATS:
+        if not torch.equal(dequantize(fmt, quantize(w[:1], fmt)), w[:1]):
+            continue
+        tensors = quantize(w, fmt)
+        if torch.equal(dequantize(fmt, tensors), w):
+            return fmt, tensors
+    return None
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w8a8's activations: per row, scale = absmax / 127 (1 for a zero row), round half to even."""
     amax = x.abs().amax(-1)

@@ -133,6 +133,39 @@ def test_lean_equals_transformers_flat_linear(base, fuse, monkeypatch):
     assert_bitwise(ref, run_transformers(model, preallocated_cache(model.config, 64)))
 
 
+def make_block_exact(model: torch.nn.Module) -> None:
+    """Every linear weight replaced by its Q4_1 blocks dequantised, the output layer's by Q8_0:
+    a model as one dequantised from a GGUF (the embedded SmolLM2) holds its weights."""
+    from pipespec_mpi.models.lowbit import dequantize, quantize
+
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.Linear:
+            fmt = "q8" if name == "lm_head" else "q4"
+            with torch.no_grad():
+                m.weight.copy_(dequantize(fmt, quantize(m.weight, fmt)))
+
+
+@needs_kernel
+def test_block_exact_weights_are_read_from_their_blocks_bitwise():
+    """``use_flat_linear`` finds the exact Q4_1/Q8_0 form of such weights, and the model, fused
+    and through the lean forward, computes every step bitwise as the float32 flat kernel does
+    (prefill and 17-row forwards on torch's GEMM, 1..16 rows from the blocks)."""
+    ref_model, model = model_for("tiny", flat=False), model_for("tiny", flat=False)
+    make_block_exact(ref_model)
+    make_block_exact(model)
+    n = flat_linear.use_flat_linear(ref_model, exact_blocks=False)
+    assert flat_linear.use_flat_linear(model) == n > 0
+    flat = [m for m in model.modules() if isinstance(m, flat_linear.FlatLinear)]
+    assert {m.blocks.fmt for m in flat} == {"q4", "q8"} and len(flat) == n
+    assert model.lm_head.blocks.fmt == "q8"
+    lean = lean_for(model)
+    assert lean.fused == 2 * model.config.num_hidden_layers
+    ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
+    assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 64)))
+    other = model_for("tiny", flat=True)  # random weights: no exact block form
+    assert not any(m.blocks for m in other.modules() if isinstance(m, flat_linear.FlatLinear))
+
+
 def test_lean_int8_dynamic_copy():
     ref_model = model_for("tiny", flat=False, int8=True)
     model = model_for("tiny", flat=False, int8=True)

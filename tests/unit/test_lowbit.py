@@ -16,6 +16,7 @@ from pipespec_mpi.models.lowbit import (
     LowBitLinear,
     dense_rows,
     dequantize,
+    exact_blocks,
     extension,
     quantize,
     reference_linear,
@@ -43,6 +44,19 @@ def test_quantisation_error_is_bounded_by_the_format(fmt):
         step = (blocks.abs().amax(-1) / 127) if fmt == "q8" else (blocks.amax(-1) - blocks.amin(-1)) / 15
         bound = step.repeat_interleave(32, dim=1) * 0.5 * 1.01 + 1e-3 * w.abs()  # + fp16 scale rounding
         assert (err <= bound).all()
+
+
+def test_exact_blocks_finds_the_fewest_bytes_format_that_holds_the_weights():
+    w = weights(k=128)
+    assert exact_blocks(w) is None  # random weights: no block format holds them
+    assert exact_blocks(w[:, :100]) is None and exact_blocks(w.double()) is None
+    for fmt in ("q8", "q4"):
+        found = exact_blocks(dequantize(fmt, quantize(w, fmt)))
+        assert found is not None and found[0] == fmt  # Q4_1 weights are not taken for Q8_0's
+        assert torch.equal(dequantize(*found), dequantize(fmt, quantize(w, fmt)))
+    tail = dequantize("q4", quantize(w, "q4"))
+    tail[-1, -1] += 1e-3  # exact in its first row only: the whole weight is checked
+    assert exact_blocks(tail) is None or torch.equal(dequantize(*exact_blocks(tail)), tail)
 
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
@@ -165,12 +179,21 @@ def test_lowbit_copy_config_is_validated():
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["f32", *FORMATS])
+@pytest.mark.parametrize("fmt", ["f32", "f32-blocks", *FORMATS])
 def test_fused_layers_compute_their_parts_bitwise(fmt):
     torch.manual_seed(4)
     linears = [torch.nn.Linear(64, n, bias=False) for n in (64, 32, 32)]  # q, k, v
     if fmt == "f32":
         parts = [flat_linear.FlatLinear(lin, flat_linear.extension()) for lin in linears]
+    elif fmt == "f32-blocks":  # float32 weights that are exactly Q4_1 blocks, read from them
+        parts = []
+        for lin in linears:
+            with torch.no_grad():
+                lin.weight.copy_(dequantize("q4", quantize(lin.weight, "q4")))
+            found = exact_blocks(lin.weight)
+            assert found is not None and found[0] == "q4"
+            blocks = flat_linear.Blocks(*found, extension().q4_linear)
+            parts.append(flat_linear.FlatLinear(lin, flat_linear.extension(), blocks))
     else:
         parts = [LowBitLinear.from_linear(lin, fmt, extension()) for lin in linears]
     x = torch.randn(1, 5, 64)
@@ -180,6 +203,10 @@ def test_fused_layers_compute_their_parts_bitwise(fmt):
         assert fused is not None
         assert torch.equal(fused(x), torch.cat(before, dim=-1))
         assert all(torch.equal(p(x), b) for p, b in zip(parts, before, strict=True))  # views now
+        if fmt == "f32-blocks":
+            assert fused.blocks is not None and fused.blocks.fmt == "q4"
+            f32 = flat_linear.extension().small_m_linear(x[0], linears[0].weight.detach())
+            assert torch.equal(before[0][0], f32)  # the blocks give the float32 kernel's result
     assert flat_linear.fuse_linears([parts[0], linears[1]]) is None  # different kinds
 
 
