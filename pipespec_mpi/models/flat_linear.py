@@ -11,7 +11,7 @@ streamed from memory once for all rows at close to the one-row speed.
 Every output element is the same dot product accumulated in the same order whatever M is, so a
 row's result does not depend on how many rows travel with it: a one-token step (AR) and a k-token
 verification compute bitwise the same linear layers for the same inputs. A layer whose float32
-weights are exactly llama.cpp blocks (``lowbit.exact_blocks``: a model dequantised from a GGUF,
+weights are exactly llama.cpp blocks (``lowbit.read_exact_blocks``: a model dequantised from a GGUF,
 as the embedded SmolLM2 is) reads the blocks instead in these forwards, through the low-bit
 kernel that computes bitwise the same dot products: the same outputs from about a quarter of the
 bytes (SmolLM2-135M's one-token step 52 -> 24 ms on a 2-core Xeon with AMX, 2026-12-04); larger
@@ -175,16 +175,13 @@ def fuse_linears(parts: list[torch.nn.Module]) -> torch.nn.Module | None:
     return kind.concat(parts)
 
 
-def use_flat_linear(model: torch.nn.Module, isa: str | None = None, exact_blocks: bool = True) -> int:
+def use_flat_linear(model: torch.nn.Module, isa: str | None = None) -> int:
     """Replace the float32 CPU nn.Linear layers of ``model``; returns how many were replaced.
-    ``exact_blocks``: layers whose weights have an exact block form read it (``Blocks``)."""
+    (``lowbit.read_exact_blocks`` then gives those with an exact block form their ``Blocks``.)"""
     kernel = extension(isa)
     if kernel is None:
         return 0
-    from pipespec_mpi.models import lowbit  # it builds on this module
-
-    lowbit_kernel = lowbit.extension(isa) if exact_blocks else None
-    count = blocked = 0
+    count = 0
     for parent in model.modules():
         for name, child in list(parent.named_children()):
             if (
@@ -192,13 +189,6 @@ def use_flat_linear(model: torch.nn.Module, isa: str | None = None, exact_blocks
                 and child.weight.dtype == torch.float32
                 and child.weight.device.type == "cpu"
             ):
-                exact = lowbit.exact_blocks(child.weight) if lowbit_kernel is not None else None
-                blocks = None
-                if exact is not None:
-                    blocks = Blocks(exact[0], exact[1], getattr(lowbit_kernel, f"{exact[0]}_linear"))
-                    blocked += 1
-                setattr(parent, name, FlatLinear(child, kernel, blocks))
+                setattr(parent, name, FlatLinear(child, kernel))
                 count += 1
-    if blocked:
-        log.info("flat kernel: %d of %d float32 layers read their exact low-bit blocks", blocked, count)
     return count

@@ -145,8 +145,11 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
         use_sdpa_gqa(model)
     if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
         from pipespec_mpi.models.flat_linear import use_flat_linear
+        from pipespec_mpi.models.lowbit import read_exact_blocks
 
-        use_flat_linear(model, exact_blocks=stage.exact_blocks)
+        use_flat_linear(model)
+        if stage.exact_blocks:
+            read_exact_blocks(model)
     return KVScorer(stage.name, model, device)
 
 

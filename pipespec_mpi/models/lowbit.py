@@ -43,7 +43,7 @@ import logging
 
 import torch
 
-from pipespec_mpi.models.flat_linear import build, cpu_flags, cpu_isa, kernel_source
+from pipespec_mpi.models.flat_linear import Blocks, FlatLinear, build, cpu_flags, cpu_isa, kernel_source
 
 log = logging.getLogger("pipespec_mpi")
 BLOCK = 32
@@ -151,6 +151,27 @@ def exact_blocks(w: torch.Tensor) -> tuple[str, tuple[torch.Tensor, ...]] | None
         if torch.equal(dequantize(fmt, tensors), w):
             return fmt, tensors
     return None
+
+
+def read_exact_blocks(model: torch.nn.Module, isa: str | None = None) -> int:
+    """Give every ``FlatLinear`` of ``model`` whose weights have an exact block form
+    (``exact_blocks``) those blocks and this module's kernel for them; its 1..16-row forwards
+    then read the blocks, bitwise the same outputs. Returns how many layers read blocks. Call it
+    before the lean forward is built (fused layers take their parts' blocks)."""
+    kernel = extension(isa)
+    if kernel is None:
+        return 0
+    count = total = 0
+    for m in model.modules():
+        if isinstance(m, FlatLinear):
+            total += 1
+            found = exact_blocks(m.weight) if m.blocks is None else None
+            if found is not None:
+                m.blocks = Blocks(found[0], found[1], getattr(kernel, f"{found[0]}_linear"))
+            count += m.blocks is not None
+    if count:
+        log.info("flat kernel: %d of %d float32 layers read their exact low-bit blocks", count, total)
+    return count
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,8 +153,11 @@ def test_block_exact_weights_are_read_from_their_blocks_bitwise():
     ref_model, model = model_for("tiny", flat=False), model_for("tiny", flat=False)
     make_block_exact(ref_model)
     make_block_exact(model)
-    n = flat_linear.use_flat_linear(ref_model, exact_blocks=False)
+    from pipespec_mpi.models.lowbit import read_exact_blocks
+
+    n = flat_linear.use_flat_linear(ref_model)
     assert flat_linear.use_flat_linear(model) == n > 0
+    assert read_exact_blocks(model) == n  # every layer: q4, and the output layer q8
     flat = [m for m in model.modules() if isinstance(m, flat_linear.FlatLinear)]
     assert {m.blocks.fmt for m in flat} == {"q4", "q8"} and len(flat) == n
     assert model.lm_head.blocks.fmt == "q8"
@@ -162,8 +165,7 @@ def test_block_exact_weights_are_read_from_their_blocks_bitwise():
     assert lean.fused == 2 * model.config.num_hidden_layers
     ref = run_transformers(ref_model, preallocated_cache(ref_model.config, 64))
     assert_bitwise(ref, run_lean(lean, preallocated_cache(model.config, 64)))
-    other = model_for("tiny", flat=True)  # random weights: no exact block form
-    assert not any(m.blocks for m in other.modules() if isinstance(m, flat_linear.FlatLinear))
+    assert read_exact_blocks(model_for("tiny", flat=True)) == 0  # random weights: no block form
 
 
 def test_lean_int8_dynamic_copy():
