@@ -56,7 +56,7 @@ def test_exact_blocks_finds_the_fewest_bytes_format_that_holds_the_weights():
         assert torch.equal(dequantize(*found), dequantize(fmt, quantize(w, fmt)))
     tail = dequantize("q4", quantize(w, "q4"))
     tail[-1, -1] += 1e-3  # exact in its first row only: the whole weight is checked
-    assert exact_blocks(tail) is None or torch.equal(dequantize(*exact_blocks(tail)), tail)
+    assert exact_blocks(tail) is None
 
 
 @pytest.mark.parametrize("fmt", ["q8", "q4"])
