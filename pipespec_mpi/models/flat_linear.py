@@ -22,6 +22,7 @@ The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cach
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import types
@@ -47,13 +48,14 @@ def kernel_source(name: str) -> str:
 _EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it failed to build
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo, read once per process; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+            return frozenset(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def cpu_isa() -> str | None:

@@ -158,19 +158,16 @@ def read_exact_blocks(model: torch.nn.Module, isa: str | None = None) -> int:
     (``exact_blocks``) those blocks and this module's kernel for them; its 1..16-row forwards
     then read the blocks, bitwise the same outputs. Returns how many layers read blocks. Call it
     before the lean forward is built (fused layers take their parts' blocks)."""
-    kernel = extension(isa)
+    layers = [m for m in model.modules() if isinstance(m, FlatLinear)]
+    found = [(m, exact_blocks(m.weight)) for m in layers if m.blocks is None]
+    found = [(m, f) for m, f in found if f is not None]
+    kernel = extension(isa) if found else None  # built only for a model that has blocks to read
     if kernel is None:
-        return 0
-    count = total = 0
-    for m in model.modules():
-        if isinstance(m, FlatLinear):
-            total += 1
-            found = exact_blocks(m.weight) if m.blocks is None else None
-            if found is not None:
-                m.blocks = Blocks(found[0], found[1], getattr(kernel, f"{found[0]}_linear"))
-            count += m.blocks is not None
-    if count:
-        log.info("flat kernel: %d of %d float32 layers read their exact low-bit blocks", count, total)
+        return sum(m.blocks is not None for m in layers)
+    for m, (fmt, tensors) in found:
+        m.blocks = Blocks(fmt, tensors, getattr(kernel, f"{fmt}_linear"))
+    count = sum(m.blocks is not None for m in layers)
+    log.info("flat kernel: %d of %d float32 layers read their exact low-bit blocks", count, len(layers))
     return count
 
 
