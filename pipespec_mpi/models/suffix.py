@@ -19,12 +19,25 @@ Notation (one proposal):
   q_j       the estimated probability that the verifier accepts token j given that it accepted
             tokens 0..j-1: an exponential average of what verifiers did with earlier tokens of the
             same cell (source, min(m, 4), f_j >= 0.99 | >= 0.5 | below), from a prior
-  S_j       prod_{i<=j} q_i, the survival probability of token j; the draft stops before the
+  S_0       the survival probability of the drafter's own tokens not yet confirmed that the draft
+            extends (prod of their q; 1 when it extends confirmed text): a stage 0 keeps drafting
+            on top of its unverified drafts, and a token is worth only as much as the chance that
+            everything before it survives
+  S_j       S_0 prod_{i<=j} q_i, the survival probability of token j; the draft stops before the
             first token with S_j < ``min_survival``
   E         sum_j S_j, the expected number of accepted tokens
 Every source drafts; the proposal is the one with the largest E (the combination). The estimates
 learn from the verifier's committed tokens (``confirmed``: the prefix of the sequence the next
-stage has committed): a proposed token is accepted where the committed token equals it.
+stage has committed): a proposed token is accepted where the committed token equals it. Two
+rules keep the estimates honest, whatever the timing:
+  - a draft made on a context that was rolled back (it extended tokens the verifier replaced) is
+    forgotten unjudged: the verifier never saw it, and comparing it with what was committed in its
+    place would count the rollback against its cell;
+  - a cell whose q is below ``min_survival`` is never proposed from, so never observed again: each
+    time it cuts a draft its q drifts towards the prior (``UNTRIED`` of a rejection's weight), so
+    that it is tried again now and then instead of staying shut for the rest of the job. Without
+    the drift, which cells shut early in a job decided its speed: the same code job ran PipeSpec
+    at 1.40x and 1.08x AR (docs/performance.md).
 
 The index is two hash maps (last token, last two tokens) -> positions whose continuation starts
 there; a match is grown backwards from each of the most recent ``max_candidates`` positions. Each
@@ -48,6 +61,7 @@ EMA = 0.05  # weight of one observed token in a cell's acceptance estimate
 # q before any observation, by match bucket (1, 2, 3, 4+) for a continuation every matched
 # place agrees on; a split continuation starts at f_j times that
 PRIOR = (0.35, 0.5, 0.65, 0.8)
+UNTRIED = 0.2  # a cut by a cell below the bound moves its q towards the prior by UNTRIED * EMA
 
 
 def _pair(a: int, b: int) -> int:
@@ -234,18 +248,29 @@ class Cells:
     def estimate(self, key: tuple[str, int, int], f: float) -> float:
         if key in self.q:
             return self.q[key]
-        return PRIOR[key[1] - 1] * (1.0 if key[2] == 2 else f)
+        return self.prior(key, f)
 
     def observe(self, key: tuple[str, int, int], accepted: bool, f: float) -> None:
         q = self.estimate(key, f)
         self.q[key] = q + EMA * (float(accepted) - q)
         self.seen[key] = self.seen.get(key, 0) + 1
 
+    def untried(self, key: tuple[str, int, int], f: float) -> None:
+        """The cell cut a draft (it is below the bound, so it is not observed): drift towards its
+        prior, never past it."""
+        q, prior = self.estimate(key, f), self.prior(key, f)
+        if q < prior:
+            self.q[key] = min(prior, q + UNTRIED * EMA * (prior - q))
 
-def survival_cut(q: Sequence[float], min_survival: float) -> tuple[int, float]:
-    """How many tokens to keep (those whose survival prod q stays >= ``min_survival``) and E, the
-    expected number of them accepted."""
-    s, e = 1.0, 0.0
+    @staticmethod
+    def prior(key: tuple[str, int, int], f: float) -> float:
+        return PRIOR[key[1] - 1] * (1.0 if key[2] == 2 else f)
+
+
+def survival_cut(q: Sequence[float], min_survival: float, lead: float = 1.0) -> tuple[int, float]:
+    """How many tokens to keep (those whose survival ``lead`` * prod q stays >= ``min_survival``)
+    and E, the expected number of them accepted; ``lead``: S_0."""
+    s, e = lead, 0.0
     for j, qj in enumerate(q):
         s *= qj
         if s < min_survival:
@@ -262,6 +287,7 @@ class Draft:
     tokens: list[int]
     keys: list[tuple[str, int, int]]
     freq: list[float]
+    q: list[float]  # each token's q when proposed (the S_0 of a draft that extends it)
     source: str
 
 
@@ -275,6 +301,8 @@ class DrafterCounts:
     settled: dict[str, int] = field(default_factory=dict)  # tokens settled (accepted or first rejected)
     misses: int = 0  # calls with nothing to propose: no source matched the text's last token
     cut: int = 0  # calls where a source matched but its first token's survival was below the bound
+    # (S_0 included: on top of unlikely unconfirmed drafts it waits for the verifier instead)
+    forgotten: int = 0  # drafts made on a context that was rolled back, dropped unjudged
 
     def as_dict(self) -> dict:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
@@ -348,11 +376,12 @@ class SuffixDrafter:
         the verifier has committed (they settle earlier drafts); None: none known."""
         changed = self._sync(seq)
         if confirmed is not None:
-            self._settle(seq, min(confirmed, len(seq)))
+            changed |= self._settle(seq, min(confirmed, len(seq)))
         limit = min(limit, self.max_proposal)
         if limit <= 0 or (not changed and self.missed):
             return []  # (a stage loop asks again while it waits: the answer has not changed)
-        best: tuple[float, list[int], list[float], list[tuple[str, int, int]], str] | None = None
+        lead = self._lead(seq)
+        best: tuple[float, list[int], list[float], list[float], list[tuple[str, int, int]], str] | None = None
         matched = False
         query = seq[-self.max_match :] if len(seq) > self.max_match else seq
         for source, index, own in self._sources():
@@ -363,9 +392,11 @@ class SuffixDrafter:
             toks, freq = continuation(index, places, len(seq) if own else -1, limit)
             keys = [Cells.key(source, m, f) for f in freq]
             q = [self.cells.estimate(k, f) for k, f in zip(keys, freq)]
-            n, e = survival_cut(q, self.min_survival)
+            n, e = survival_cut(q, self.min_survival, lead)
+            if n < len(q) and q[n] < self.min_survival:  # a cell below the bound cut it
+                self.cells.untried(keys[n], freq[n])
             if n and (best is None or e > best[0]):
-                best = (e, toks[:n], freq[:n], keys[:n], source)
+                best = (e, toks[:n], freq[:n], q[:n], keys[:n], source)
         self.missed = best is None
         if best is None:
             if matched:
@@ -373,8 +404,8 @@ class SuffixDrafter:
             else:
                 self.counts.misses += 1
             return []
-        _, toks, freq, keys, source = best
-        self.pending.append(Draft(len(seq), toks, keys, freq, source))
+        _, toks, freq, q, keys, source = best
+        self.pending.append(Draft(len(seq), toks, keys, freq, q, source))
         c = self.counts
         c.proposals[source] = c.proposals.get(source, 0) + 1
         c.proposed[source] = c.proposed.get(source, 0) + len(toks)
@@ -387,9 +418,22 @@ class SuffixDrafter:
         if self.corpus is not None and self.corpus.tokens:
             yield "corpus", self.corpus.index, False
 
+    def _lead(self, seq: Sequence[int]) -> float:
+        """S_0: the chance that the unconfirmed drafted tokens at the end of ``seq`` all survive
+        (the pending drafts hold only unconfirmed tokens; a draft counts up to where ``seq`` no
+        longer holds it: there the verifier's own token replaced it)."""
+        s = 1.0
+        for d in self.pending:
+            for j, t in enumerate(d.tokens):
+                if d.start + j >= len(seq) or seq[d.start + j] != t:
+                    break
+                s *= d.q[j]
+        return s
+
     def _sync(self, seq: Sequence[int]) -> bool:
         """Make the sequence index hold ``seq``: cut back to the common prefix, append the rest;
-        False when it held ``seq`` already."""
+        False when it held ``seq`` already. Drafts that started after the first changed position
+        were made on a context that no longer stands: they are forgotten unjudged."""
         text = self.seq.text
         if text == list(seq):  # (lists of different lengths compare unequal at once)
             return False
@@ -403,17 +447,23 @@ class SuffixDrafter:
                 else:
                     hi = mid
             n = lo
+        if n < len(text):
+            kept = [d for d in self.pending if d.start <= n]
+            self.counts.forgotten += len(self.pending) - len(kept)
+            self.pending = kept
         self.seq.truncate(n)
         self.seq.append([int(t) for t in seq[n:]])
         return True
 
-    def _settle(self, seq: Sequence[int], confirmed: int) -> None:
+    def _settle(self, seq: Sequence[int], confirmed: int) -> bool:
         """Learn from every draft whose tokens the verifier has now decided: token j is accepted
-        when the committed token at its position equals it; the first rejected token ends it."""
-        keep = []
+        when the committed token at its position equals it; the first rejected token ends it.
+        True when a token was settled (S_0 changed)."""
+        keep, any_settled = [], False
         for d in self.pending:
             j = 0
             while j < len(d.tokens) and d.start + j < confirmed:
+                any_settled = True
                 ok = seq[d.start + j] == d.tokens[j]
                 self.cells.observe(d.keys[j], ok, d.freq[j])
                 c = self.counts
@@ -423,9 +473,12 @@ class SuffixDrafter:
                 c.accepted[d.source] = c.accepted.get(d.source, 0) + 1
                 j += 1
             if j < len(d.tokens) and d.start + j >= confirmed:
-                d.start, d.tokens, d.keys, d.freq = d.start + j, d.tokens[j:], d.keys[j:], d.freq[j:]
+                d.start, d.tokens, d.keys, d.freq, d.q = (
+                    d.start + j, d.tokens[j:], d.keys[j:], d.freq[j:], d.q[j:],
+                )  # fmt: skip
                 keep.append(d)
         self.pending = keep
+        return any_settled
 
 
 def read_corpus(path: str, encode, max_tokens: int) -> Store:

@@ -236,3 +236,73 @@ def test_a_pair_seen_only_at_the_end_falls_back_to_the_last_token():
     d = SuffixDrafter("s", min_survival=0.0)
     d.prefill([1, 3, 4, 5, 7, 3], store_key="k")
     assert d.propose([1, 3, 4, 5, 7, 3], 3, confirmed=6) == [4, 5, 7]
+
+
+def test_a_draft_on_a_rolled_back_context_is_forgotten_unjudged():
+    d = SuffixDrafter("s", min_survival=0.0)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    d.prefill(prompt, store_key="k")
+    first = d.propose(prompt, 2, confirmed=10)  # 3 4 at positions 10, 11
+    second = d.propose(prompt + first, 2, confirmed=10)  # 1 2 at 12, 13, made on top of 3 4
+    assert (first, second) == ([3, 4], [1, 2])
+    before = dict(d.cells.q)
+    # the verifier accepted 3, committed 9 instead of 4: the second draft's context is gone
+    seq = [*prompt, 3, 9]
+    d.propose(seq, 0, confirmed=12)
+    assert d.counts.forgotten == 1
+    assert d.counts.settled == {"sequence": 2} and d.counts.accepted == {"sequence": 1}
+    # whatever is committed later where the forgotten draft stood does not judge it
+    seq = [*seq, 5, 6]
+    d.propose(seq, 0, confirmed=14)
+    assert d.counts.settled == {"sequence": 2}
+    changed = {k for k in d.cells.q if d.cells.q[k] != before.get(k)}
+    assert changed <= {Cells.key("sequence", 4, 1.0)}  # only the first draft's cell learned
+
+
+def test_a_draft_extending_unlikely_drafts_waits_for_the_verifier():
+    d = SuffixDrafter("s", min_survival=0.1)
+    prompt = [7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2, 3]  # "1 2 3" continues with 8 and 9: split
+    d.prefill(prompt, store_key="k")
+    for f in (0, 1, 2):
+        for m in (1, 2, 3, 4):
+            d.cells.q[Cells.key("sequence", m, 0.5 if f == 1 else 1.0 if f == 2 else 0.0)] = 0.3
+    got = d.propose(prompt, 8, confirmed=12)
+    assert len(got) == 1  # 0.3, then 0.09 < 0.1
+    # on top of its own unconfirmed token (S_0 = 0.3) nothing is worth proposing
+    assert d.propose(prompt + got, 8, confirmed=12) == []
+    assert d.counts.cut == 1
+    assert d.propose(prompt + got, 8, confirmed=12) == []  # asked again: the same answer
+    assert d.counts.cut == 1
+    # the verifier confirms it: S_0 is 1 again and the drafter proposes
+    assert len(d.propose(prompt + got, 8, confirmed=13)) == 1
+
+
+def test_a_cell_below_the_bound_drifts_back_towards_its_prior():
+    cells = Cells()
+    key = Cells.key("sequence", 1, 1.0)
+    cells.q[key] = 0.01
+    for _ in range(2000):
+        cells.untried(key, 1.0)
+    assert cells.estimate(key, 1.0) == pytest.approx(cells.prior(key, 1.0), abs=1e-3)
+    assert cells.estimate(key, 1.0) <= cells.prior(key, 1.0)
+    cells.q[key] = 0.9  # above its prior: a cut never raises it further (nor lowers it)
+    cells.untried(key, 1.0)
+    assert cells.q[key] == 0.9
+    # the drafter drifts the cell that cut it, once per fresh call
+    d = SuffixDrafter("s", min_survival=0.1)
+    d.prefill([1, 2, 5, 2], store_key="k")
+    d.cells.q[key] = 0.05
+    assert d.propose([1, 2, 5, 2], 4, confirmed=4) == []
+    q1 = d.cells.q[key]
+    assert 0.05 < q1 < 0.1
+    assert d.propose([1, 2, 5, 2], 4, confirmed=4) == []  # not a fresh call: no drift
+    assert d.cells.q[key] == q1
+    # enough cuts (each a fresh text ending in a one-token match of 2) reopen the cell
+    seq, got = [1, 2, 5, 2], []
+    for i in range(200):
+        seq = [1, 2, 5, *[100 + i], 2]  # a new token before the last: the same cell, m = 1
+        d.prefill(seq, store_key="k")
+        got = d.propose(seq, 4, confirmed=len(seq))
+        if got:
+            break
+    assert got == [5] and 0.1 <= d.cells.q[key] < 0.12
