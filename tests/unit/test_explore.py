@@ -171,3 +171,26 @@ def test_a_slot_that_finishes_takes_the_next_job_while_another_decodes_a_long_on
     last = sc.k - 1
     long_slot = world.decoded_by[(1, last)]
     assert [world.decoded_by[(seq, last)] for seq in range(2, 6)] == [1 - long_slot] * 4
+
+
+def test_the_suffix_families_exercise_the_drafters_own_cuts():
+    """With a drawn min_survival the real suffix drafter cuts drafts by its estimates (S_0 of its
+    unconfirmed drafts included), forgets drafts whose context was rolled back and proposes again
+    once its verifier confirms: its verifiers see it go idle and come back, in every schedule."""
+    seen = {"cut": 0, "forgotten": 0, "proposals": 0}
+    tried = 0
+    for family in ("pipespec-greedy-suffix", "sd-leviathan-suffix", "pipespec-gumbel-suffix"):
+        for seed in range(30):
+            sc = Scenario.draw(family, seed)
+            if sc.drafter_survival <= 0:
+                continue
+            tried += 1
+            world = World(sc)
+            assert world.run().ok
+            for outcome in world.outcomes.values():
+                d = outcome.stats.drafter
+                if d:
+                    seen["cut"] += d["cut"]
+                    seen["forgotten"] += d["forgotten"]
+                    seen["proposals"] += sum(d["proposals"].values())
+    assert tried >= 20 and all(seen.values()), (tried, seen)

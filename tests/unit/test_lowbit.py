@@ -82,7 +82,7 @@ def test_odd_input_size_is_refused():
 @needs_kernel
 @pytest.mark.parametrize("isa", flat_linear.supported_isas())
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("n", "k"), [(70, 96), (1, 32), (129, 576)])
+@pytest.mark.parametrize(("n", "k"), [(70, 96), (1, 32), (129, 576), (66, 1536)])
 def test_kernel_matches_its_weights_and_rows_are_independent(isa, fmt, n, k):
     if fmt == "w8a8" and k % 64:
         k = 64 * (k // 64 + 1)

@@ -63,6 +63,9 @@ class Scenario:
     stop_lag: tuple[int, ...] = ()
     slots: int = 1  # sequences in flight per stage (the "-batch" families: 2-4)
     suffix: bool = False  # stage 0 is the real suffix drafter (the "-suffix" families)
+    # its min_survival (drawn apart): above 0 it cuts drafts by its learned estimates, holds them
+    # back on top of unlikely unconfirmed drafts and reopens shut cells, so it goes idle and back
+    drafter_survival: float = 0.0
     # per prompt: its own token budget (a row's max_tokens), None for decode.max_new_tokens
     # (drawn in the "-batch" and "-suffix" families only, apart from every other field)
     budgets: tuple[int | None, ...] = ()
@@ -160,6 +163,10 @@ class Scenario:
                               estimate_rate=ad.choice((0.05, 0.3, 1.0)))  # fmt: skip
                 sc = replace(sc, decode=replace(sc.decode, **policy))
             sc = replace(sc, chaos=ad.random() < 0.5)
+        if sc.suffix:
+            sv = random.Random(f"survival:{family}:{seed}")
+            if sv.random() < 0.5:
+                sc = replace(sc, drafter_survival=sv.choice((0.05, 0.1, 0.3, 0.6)))
         if family.endswith(("-batch", "-suffix", "-adaptive")):
             bu = random.Random(f"budgets:{family}:{seed}")
             if bu.random() < 0.5:

@@ -155,7 +155,8 @@ class World:
         def model(i: int) -> Scorer | Proposer:
             if i == 0 and sc.lookup and sc.suffix:
                 if not suffix:
-                    suffix.append(SuffixDrafter("suffix", max_proposal=lookup.max_proposal, min_survival=0.0))
+                    suffix.append(SuffixDrafter("suffix", max_proposal=lookup.max_proposal,
+                                                min_survival=sc.drafter_survival))  # fmt: skip
                     return suffix[0]
                 return suffix[0].for_slot()
             if i == 0 and sc.lookup:
