@@ -82,7 +82,7 @@ def test_greedy_outputs_equal_ar(tmp_path, n, hier, lookahead, transport, max_ne
     ps = [r for r in recs if r["method"] == "pipespec"]
     if hier == "tiny_suffix":  # the drafter's own counters reach the records, per source
         drafted = [r["stages"][0]["drafter"] for r in recs if r["method"] != "ar" and not r["warmup"]]
-        keys = {"proposals", "proposed", "accepted", "settled", "misses", "cut"}
+        keys = {"proposals", "proposed", "accepted", "settled", "misses", "cut", "forgotten"}
         assert all(set(d) == keys for d in drafted)
         assert sum(sum(d["proposals"].values()) for d in drafted) > 0
         assert any("job" in d["proposals"] for d in drafted)  # later prompts draft from earlier outputs
