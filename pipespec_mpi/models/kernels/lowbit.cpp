@@ -22,7 +22,6 @@ static inline vec cvt_nibbles(const uint8_t* p, bool high) {
 static inline vec vset1(float f) { return _mm512_set1_ps(f); }
 static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 #else
 static inline vec cvt_u16_to_f32_hi(const uint16_t* p) {
   __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
@@ -39,7 +38,6 @@ static inline vec cvt_nibbles(const uint8_t* p, bool high) {
 static inline vec vset1(float f) { return _mm256_set1_ps(f); }
 static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 #ifndef AHEAD_BYTES
@@ -129,101 +127,17 @@ static void dispatch(int g, const F& f, const float* X, float* Y, int64_t K, int
   if constexpr (G > 1) dispatch<F, G - 1>(g, f, X, Y, K, N, n0, n1);
 }
 
-// A block of weight rows [n0, n0 + rows) of format F, already converted into floats (a scratch
-// buffer, ``rows * K``): the same values F.load gives, so the same dot products bit for bit.
-template <class F>
-struct Converted {
-  const F& f; const float* s; int64_t K, n0;
-  const float* row(int64_t n) const { return s + (n - n0) * K; }
-  float factor(int64_t n) const { return f.factor(n); }
-};
-
-// Output rows [n0, n1) (n1 - n0 a multiple of 4) for G rows of x from converted weights: four
-// weight rows per pass (4G accumulators; loads 4 + G per 4G FMAs, against 2 + G per 2G above),
-// each output the same lane-wise FMA chain over k and the same hsum, so bitwise rows_q's.
-template <class F, int G>
-static void rows4_c(const Converted<F>& c, const float* __restrict X, float* __restrict Y, int64_t K,
-                    int64_t N, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 4) {
-    const float *w0 = c.row(n), *w1 = c.row(n + 1), *w2 = c.row(n + 2), *w3 = c.row(n + 3);
-    vec a0[G], a1[G], a2[G], a3[G];
-#pragma GCC unroll 16
-    for (int m = 0; m < G; ++m) { a0[m] = vzero(); a1[m] = vzero(); a2[m] = vzero(); a3[m] = vzero(); }
-    for (int64_t k = 0; k < K; k += LANES) {
-      vec v0 = vload(w0 + k), v1 = vload(w1 + k), v2 = vload(w2 + k), v3 = vload(w3 + k);
-#pragma GCC unroll 16
-      for (int m = 0; m < G; ++m) {
-        vec x = vload(X + m * K + k);
-        a0[m] = vfma(v0, x, a0[m]);
-        a1[m] = vfma(v1, x, a1[m]);
-        a2[m] = vfma(v2, x, a2[m]);
-        a3[m] = vfma(v3, x, a3[m]);
-      }
-    }
-    const float s0 = c.factor(n), s1 = c.factor(n + 1), s2 = c.factor(n + 2), s3 = c.factor(n + 3);
-#pragma GCC unroll 16
-    for (int m = 0; m < G; ++m) {
-      Y[m * N + n] = hsum(a0[m]) * s0;
-      Y[m * N + n + 1] = hsum(a1[m]) * s1;
-      Y[m * N + n + 2] = hsum(a2[m]) * s2;
-      Y[m * N + n + 3] = hsum(a3[m]) * s3;
-    }
-  }
-}
-
-#if defined(__AVX512F__)
-static const int GROUP4 = 6;  // 4*6 accumulators + 4 weights + 1 x <= 32 registers
-#else
-static const int GROUP4 = 2;  // 4*2 accumulators + 4 weights + 1 x <= 16 registers
-#endif
-
-template <class F, int G>
-static void dispatch4(int g, const Converted<F>& c, const float* X, float* Y, int64_t K, int64_t N,
-                      int64_t n0, int64_t n1) {
-  if (g == G) return rows4_c<F, G>(c, X, Y, K, N, n0, n1);
-  if constexpr (G > 1) dispatch4<F, G - 1>(g, c, X, Y, K, N, n0, n1);
-}
-
-// Blocks of 2*BLK weight rows; inside a block, x is taken g_max rows at a time, the weights
-// converted in registers for every pass. Where one pass cannot take every row (M > g_max),
-// the block is converted once into a thread-local float scratch (2*BLK*K floats, 192 KB at
-// K = 1536: it stays in L2) and read four rows at a time (rows4_c): converting a Q4_1 vector
-// again for each pass, two weight rows per pass, made SmolLM2's 16-row forward cost 0.95 of the
-// float32 kernel's; with the scratch, 84.3 -> 74.1 ms (12 rows 70.2 -> 64.1, 8 rows unchanged;
-// one thread, 2-core Xeon with AMX, 2026-12-04). Every output is bitwise what it was.
 template <class F>
 static void run_q(const F& f, const float* X, float* Y, int64_t M, int64_t K, int64_t N) {
   const int64_t BLK = 32;
   const int64_t g_max = std::max<int64_t>(1, std::min<int64_t>(GROUP, X_IN_L1 / K));
-  if (M <= g_max) {
-    at::parallel_for(0, (N + 2 * BLK - 1) / (2 * BLK), 4, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * 2 * BLK, n1 = std::min(N, n0 + 2 * BLK);
-        dispatch<F, GROUP>((int)M, f, X, Y, K, N, n0, n1);
-      }
-    });
-    return;
-  }
-  const int64_t g4 = std::max<int64_t>(1, std::min<int64_t>(GROUP4, X_IN_L1 / K));
   at::parallel_for(0, (N + 2 * BLK - 1) / (2 * BLK), 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(2 * BLK * K);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 2 * BLK, n1 = std::min(N, n0 + 2 * BLK), n4 = n0 + (n1 - n0) / 4 * 4;
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t k = 0; k < K; k += LANES) {
-          vstore(scratch.data() + (n - n0) * K + k, f.load(n, k));
-          f.ahead(n, k);
-        }
-      const Converted<F> c{f, scratch.data(), K, n0};
-      for (int64_t m0 = 0; m0 < M; m0 += g4) {
-        const int g = (int)std::min<int64_t>(g4, M - m0);
-        dispatch4<F, GROUP4>(g, c, X + m0 * K, Y + m0 * N, K, N, n0, n4);
+      const int64_t n0 = b * 2 * BLK, n1 = std::min(N, n0 + 2 * BLK);
+      for (int64_t m0 = 0; m0 < M; m0 += g_max) {
+        const int g = (int)std::min<int64_t>(g_max, M - m0);
+        dispatch<F, GROUP>(g, f, X + m0 * K, Y + m0 * N, K, N, n0, n1);
       }
-      if (n4 < n1)  // a tail of 1-3 rows (N not a multiple of 4): the register path
-        for (int64_t m0 = 0; m0 < M; m0 += g_max) {
-          const int g = (int)std::min<int64_t>(g_max, M - m0);
-          dispatch<F, GROUP>(g, f, X + m0 * K, Y + m0 * N, K, N, n4, n1);
-        }
     }
   });
 }
