@@ -2,9 +2,12 @@
 
     .venv/bin/python bench/verify_cost.py [--threads 1] [--context 200] [--rounds 9]
 
-Two variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``, sdpa)
-and what the stages run (the flat small-M kernel of models/flat_linear.py, the preallocated cache
-of models/kv_cache.py and grouped-query SDPA without KV copies, models/attention.py).
+Three variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``,
+sdpa); the flat small-M kernel of models/flat_linear.py with the preallocated cache of
+models/kv_cache.py and grouped-query SDPA without KV copies (models/attention.py); and what the
+stages run, that and the exact GGUF blocks read through the low-bit kernel
+(``lowbit.read_exact_blocks``, the loader's default ``exact_blocks``). k is the rows of the
+forward: a verification of k - 1 proposals, or a batched forward of k one-token slots.
 Measurements are interleaved: each round times every (variant, k) once in a shuffled order
 after the same context, so drifts of a shared machine hit all alike; the table shows medians
 over rounds and each variant's ratio to its own one-token step.
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.flat_linear import cpu_isa, use_flat_linear
 from pipespec_mpi.models.kv_cache import preallocated_cache
+from pipespec_mpi.models.lowbit import read_exact_blocks
 from pipespec_mpi.models.smollm2 import ensure_cache
 
 
@@ -49,13 +53,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     base = AutoModelForCausalLM.from_pretrained(ensure_cache(), dtype=torch.float32).eval()
-    flat = copy.deepcopy(base)
-    replaced = use_flat_linear(flat, args.isa)
-    use_sdpa_gqa(flat)
+    flat, blocks = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (flat, blocks):
+        replaced = use_flat_linear(model, args.isa)
+        use_sdpa_gqa(model)
+    read = read_exact_blocks(blocks, args.isa)
     capacity = args.context + args.max_k + 1
     variants = {
         "torch": (base, lambda: DynamicCache(config=base.config)),
-        "pipespec": (flat, lambda: preallocated_cache(flat.config, capacity)),
+        "flat": (flat, lambda: preallocated_cache(flat.config, capacity)),
+        "blocks": (blocks, lambda: preallocated_cache(blocks.config, capacity)),
     }
     context = torch.randint(0, 49000, (1, args.context), generator=torch.Generator().manual_seed(0))
     ks = list(range(1, args.max_k + 1))
@@ -68,11 +75,12 @@ def main() -> None:
     med = {key: statistics.median(ts) for key, ts in times.items()}
     isa = args.isa or cpu_isa()
     print(f"SmolLM2-135M float32, {args.threads} thread(s), context {args.context}, ISA {isa}, "
-          f"flat kernel on {replaced} linear layers, median of {args.rounds} interleaved rounds")  # fmt: skip
-    print(f"{'k':>3} {'torch ms':>9} {'ratio':>6} {'pipespec ms':>12} {'ratio':>6}")
+          f"flat kernel on {replaced} linear layers ({read} reading their blocks), "
+          f"median of {args.rounds} interleaved rounds")  # fmt: skip
+    print(f"{'k':>3}" + "".join(f" {v + ' ms':>10} {'ratio':>6}" for v in variants))
     for k in ks:
-        t, f = med[("torch", k)], med[("pipespec", k)]
-        print(f"{k:>3} {t:>9.1f} {t / med[('torch', 1)]:>6.2f} {f:>12.1f} {f / med[('pipespec', 1)]:>6.2f}")
+        cols = "".join(f" {med[(v, k)]:>10.1f} {med[(v, k)] / med[(v, 1)]:>6.2f}" for v in variants)
+        print(f"{k:>3}{cols}")
 
 
 if __name__ == "__main__":
