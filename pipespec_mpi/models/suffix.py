@@ -290,6 +290,11 @@ class Draft:
     q: list[float]  # each token's q when proposed (the S_0 of a draft that extends it)
     source: str
 
+    def drop_front(self, j: int) -> None:
+        """Its first ``j`` tokens are settled: it now starts at the next one."""
+        self.start += j
+        self.tokens, self.keys, self.freq, self.q = self.tokens[j:], self.keys[j:], self.freq[j:], self.q[j:]
+
 
 @dataclass
 class DrafterCounts:
@@ -381,7 +386,7 @@ class SuffixDrafter:
         if limit <= 0 or (not changed and self.missed):
             return []  # (a stage loop asks again while it waits: the answer has not changed)
         lead = self._lead(seq)
-        best: tuple[float, list[int], list[float], list[float], list[tuple[str, int, int]], str] | None = None
+        best: tuple[float, Draft] | None = None  # (E, the draft)
         matched = False
         query = seq[-self.max_match :] if len(seq) > self.max_match else seq
         for source, index, own in self._sources():
@@ -396,7 +401,7 @@ class SuffixDrafter:
             if n < len(q) and q[n] < self.min_survival:  # a cell below the bound cut it
                 self.cells.untried(keys[n], freq[n])
             if n and (best is None or e > best[0]):
-                best = (e, toks[:n], freq[:n], q[:n], keys[:n], source)
+                best = (e, Draft(len(seq), toks[:n], keys[:n], freq[:n], q[:n], source))
         self.missed = best is None
         if best is None:
             if matched:
@@ -404,12 +409,12 @@ class SuffixDrafter:
             else:
                 self.counts.misses += 1
             return []
-        _, toks, freq, q, keys, source = best
-        self.pending.append(Draft(len(seq), toks, keys, freq, q, source))
+        draft = best[1]
+        self.pending.append(draft)
         c = self.counts
-        c.proposals[source] = c.proposals.get(source, 0) + 1
-        c.proposed[source] = c.proposed.get(source, 0) + len(toks)
-        return list(toks)
+        c.proposals[draft.source] = c.proposals.get(draft.source, 0) + 1
+        c.proposed[draft.source] = c.proposed.get(draft.source, 0) + len(draft.tokens)
+        return list(draft.tokens)
 
     def _sources(self):
         yield "sequence", self.seq, True
@@ -473,9 +478,7 @@ class SuffixDrafter:
                 c.accepted[d.source] = c.accepted.get(d.source, 0) + 1
                 j += 1
             if j < len(d.tokens) and d.start + j >= confirmed:
-                d.start, d.tokens, d.keys, d.freq, d.q = (
-                    d.start + j, d.tokens[j:], d.keys[j:], d.freq[j:], d.q[j:],
-                )  # fmt: skip
+                d.drop_front(j)
                 keep.append(d)
         self.pending = keep
         return any_settled
