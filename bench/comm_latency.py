@@ -29,6 +29,7 @@ from mpi4py import MPI
 from pipespec_mpi.comm.bootstrap import init_torch_distributed, world_info
 from pipespec_mpi.comm.channel import open_receiver, open_sender
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+from pipespec_mpi.stage.ports import Header
 from pipespec_mpi.stage.wait import wait_until
 
 
@@ -83,7 +84,7 @@ def round_trip(transport: str, iters: int) -> float | None:
 def window_reads(win, iters: int, busy: bool) -> float | None:
     comm = MPI.COMM_WORLD
     r = comm.Get_rank()
-    win.publish(prompt=1, epoch=0, tokens=list(range(64)), dirty_from=0)
+    win.publish(Header(1, 0, 64, False, 0, False), list(range(64)), 0)
     comm.Barrier()
     result = None
     if r == 1:
@@ -116,7 +117,7 @@ def visibility(win, versions: int, forward_ms: float) -> tuple[float, float, flo
             t_end = time.perf_counter() + forward_ms / 1000
             while time.perf_counter() < t_end:
                 x @ x
-            win.publish(prompt=1, epoch=v, tokens=[v], dirty_from=0, want=time.monotonic_ns() // 1000)
+            win.publish(Header(1, v, 1, False, time.monotonic_ns() // 1000, False), [v], 0)
         comm.recv(source=1)
         comm.Barrier()
         return None

@@ -8,6 +8,8 @@ Each rank exposes one int64 window: a header, then its committed (generated) tok
   header[3] done     1 when the pipeline finished this prompt (set by the last stage, relayed up)
   header[4] want     SD only: the position up to which this stage wants proposals (0 = none)
   header[5] idle     1 when this stage cannot produce more right now (cap reached, no lookup hit)
+  header[6] down_epoch, header[7] down_length: the downstream's epoch and committed length as
+            this stage had read them (what its idle flag is about)
 
 Three implementations with one interface:
 
@@ -39,10 +41,11 @@ import numpy as np
 
 from pipespec_mpi.stage.ports import Header
 
-HEADER = 8
-PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE = range(6)
-BEAT = 6  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
-SEQ = 7  # sequence lock of the shared window
+HEADER = 10
+PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE, DOWN_EPOCH, DOWN_LENGTH = range(8)
+FIELDS = 8  # the words a publish writes (Header's fields, in this order)
+BEAT = 8  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
+SEQ = 9  # sequence lock of the shared window
 
 
 def now_ms() -> int:
@@ -52,17 +55,30 @@ def now_ms() -> int:
 def read_header(raw: np.ndarray) -> Header:
     """The header fields of a window's raw int64 words."""
     return Header(int(raw[PROMPT]), int(raw[EPOCH]), int(raw[LENGTH]), bool(raw[DONE]),
-                  int(raw[WANT]), bool(raw[IDLE]))  # fmt: skip
+                  int(raw[WANT]), bool(raw[IDLE]), int(raw[DOWN_EPOCH]), int(raw[DOWN_LENGTH]))  # fmt: skip
 
 
-def write_state(local: np.ndarray, max_tokens: int, tokens: Sequence[int], dirty_from: int, header) -> None:
+def header_words(h: Header) -> tuple[int, ...]:
+    """The ``FIELDS`` words a publish writes: ``read_header``'s inverse."""
+    return (h.prompt, h.epoch, h.length, int(h.done), h.want, int(h.idle), h.down_epoch, h.down_length)
+
+
+def _checked(h: Header, tokens: Sequence[int], max_tokens: int) -> None:
+    if h.length != len(tokens):
+        raise ValueError(f"a header of length {h.length} published with {len(tokens)} tokens")
+    if h.length > max_tokens:
+        raise ValueError(f"{h.length} committed tokens exceed the window's {max_tokens}")
+
+
+def write_state(
+    local: np.ndarray, max_tokens: int, header: Header, tokens: Sequence[int], dirty_from: int
+) -> None:
     """Store tokens[dirty_from:] and the header fields into a window's local memory."""
+    _checked(header, tokens, max_tokens)
     n = len(tokens)
-    if n > max_tokens:
-        raise ValueError(f"{n} committed tokens exceed the window's {max_tokens}")
     if dirty_from < n:
         local[HEADER + dirty_from : HEADER + n] = tokens[dirty_from:]
-    local[:6] = header
+    local[:FIELDS] = header_words(header)
 
 
 class EpochWindow:
@@ -95,21 +111,10 @@ class EpochWindow:
             self.win.Unlock(rank)
 
     # -- the owner's side --------------------------------------------------------------------
-    def publish(
-        self,
-        *,
-        prompt: int,
-        epoch: int,
-        tokens: Sequence[int],
-        dirty_from: int,
-        done: bool = False,
-        want: int = 0,
-        idle: bool = False,
-    ) -> None:
+    def publish(self, header: Header, tokens: Sequence[int], dirty_from: int) -> None:
         """Write tokens[dirty_from:] and the header into this rank's window."""
-        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
         with self.locked(self.rank, exclusive=True):
-            write_state(self.local, self.max_tokens, tokens, dirty_from, header)
+            write_state(self.local, self.max_tokens, header, tokens, dirty_from)
 
     # -- readers ------------------------------------------------------------------------------
     def header(self, rank: int) -> Header:
@@ -175,22 +180,11 @@ class SharedEpochWindow:
         self.win.Sync()
         node_comm.Barrier()
 
-    def publish(
-        self,
-        *,
-        prompt: int,
-        epoch: int,
-        tokens: Sequence[int],
-        dirty_from: int,
-        done: bool = False,
-        want: int = 0,
-        idle: bool = False,
-    ) -> None:
-        header = (prompt, epoch, len(tokens), int(done), want, int(idle))
+    def publish(self, header: Header, tokens: Sequence[int], dirty_from: int) -> None:
         loc = self.local
         loc[SEQ] += 1  # odd: writing
         self.win.Sync()
-        write_state(loc, self.max_tokens, tokens, dirty_from, header)
+        write_state(loc, self.max_tokens, header, tokens, dirty_from)
         self.win.Sync()
         loc[SEQ] += 1  # even: consistent
 
@@ -271,24 +265,13 @@ class PushedEpochWindow:
         self._buf = np.empty(HEADER + 1 + max_tokens, dtype=np.int64)
 
     # -- the owner's side --------------------------------------------------------------------
-    def publish(
-        self,
-        *,
-        prompt: int,
-        epoch: int,
-        tokens: Sequence[int],
-        dirty_from: int,
-        done: bool = False,
-        want: int = 0,
-        idle: bool = False,
-    ) -> None:
+    def publish(self, header: Header, tokens: Sequence[int], dirty_from: int) -> None:
+        _checked(header, tokens, self.max_tokens)
         n = len(tokens)
-        if n > self.max_tokens:
-            raise ValueError(f"{n} committed tokens exceed the window's {self.max_tokens}")
         self._reap()
         dirty_from = min(dirty_from, n)
         full = np.empty(HEADER + 1 + n - dirty_from, dtype=np.int64)
-        full[:6] = (prompt, epoch, n, int(done), want, int(idle))
+        full[:FIELDS] = header_words(header)
         full[BEAT], full[SEQ], full[HEADER] = now_ms(), 0, dirty_from
         full[HEADER + 1 :] = tokens[dirty_from:]
         for r in self.readers:

@@ -73,10 +73,9 @@ class TimedWindow:
     def __init__(self, engine: Net, me: int) -> None:
         self.engine, self.me = engine, me
 
-    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
+    def publish(self, h: Header, tokens, dirty_from: int) -> None:
         eng, node = self.engine, self.engine.nodes[self.me]
         t = node.clock.now()
-        h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
         seen_from = {}
         for j in (self.me - 1, self.me + 1):
             if eng.neighbours(self.me, j):

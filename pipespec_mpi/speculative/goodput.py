@@ -275,6 +275,12 @@ class Estimates:
             return None if self.gap_s is None else OPTIMISM * self.gap_s
         return self.wait_gap_s if self.gap_s is None else min(self.wait_gap_s, self.gap_s)
 
+    def waited_an_own_step(self, now: float) -> bool:
+        """The time since the end of the last forward is more than an own step costs (c(0) as
+        measured; never before one was timed)."""
+        c0 = self.cost.get(0)
+        return c0 is not None and self.free_since is not None and now - self.free_since > c0
+
     def wait_gap(self, now: float) -> float | None:
         """g_w as seen now: a silence longer than the average counts, from the last arrival or
         the end of the last forward (sunk time does not)."""

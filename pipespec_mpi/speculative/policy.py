@@ -96,6 +96,21 @@ def survival_room(v: View, cfg: DecodeConfig) -> int:
     return reach - (v.committed - v.down_committed)
 
 
+def answer_due(v: View, est: Estimates) -> bool:
+    """Adaptive, nothing pending: a model-free upstream has not yet answered our tokens as they
+    are (a proposal, or its idle flag about them), and the wait for it is still shorter than an
+    own step. Its answer takes a loop iteration (~1 ms: the time it takes to notice our new
+    tokens), an own step a forward (~30 ms), and a proposal is verified for little more than an
+    own step's cost, so the delivery rates ``choose`` weighs (g, g_w: tokens per second while
+    this stage computes or waits) do not describe it: such a drafter proposes once per token of
+    ours, whatever the rate. On 16 code prompts (2-core Xeon with AMX) the middle stage stepped
+    on its own in about half of its forwards, most of them within a millisecond of the
+    drafter's proposal for the same position (docs/performance.md)."""
+    if v.pending or not v.upstream_free or v.upstream_idle or v.joining:
+        return False
+    return not est.waited_an_own_step(v.now)
+
+
 def decide(v: View, cfg: DecodeConfig) -> Decision:
     """The next action. A verifier's wait can depend on ``upstream_idle``: the caller reads the
     upstream only when the decision says ``upstream_matters``, then decides again."""
@@ -126,6 +141,8 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
         if limit < 1:
             return Decision(Act.OWN)
         est = v.estimates
+        if answer_due(v, est):
+            return Decision(Act.WAIT, upstream_matters=True)
         accept, costs, gap, wait_gap = est.acceptance(), est.costs(limit), est.gap(), est.wait_gap(v.now)
         most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
         c = choose(accept, costs, v.pending, limit, most_wait, gap, wait_gap)

@@ -144,7 +144,7 @@ class StageLoop:
         self.fated = 0
         self.sent = self.dirty_from = 0
         self.want, self.idle = 0, False
-        self.published = (0, False)
+        self.published: tuple[int, bool, int, int] | None = None
         self.down: Header | None = None
         self.inbox = Inbox()
         self.rows: dict[int, np.ndarray] = {}  # position -> distribution, for tokens not yet sent
@@ -474,13 +474,16 @@ class StageLoop:
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
-        """The upstream can give no more for our tokens as they are: it says idle, and it has
-        read them (an upstream adopts our committed tokens before it drafts again, so a header
-        shorter than our tokens predates our last commit, and its flag is about an older text).
-        Believing such a flag, the middle stage stepped on its own right after each of its tokens
-        while the suffix drafter's proposal for it was one header read away (docs/protocol.md)."""
+        """The upstream can give no more for our tokens as they are: it says idle, about our
+        tokens as they are now (its header names the epoch and length of ours it had read). A
+        flag about an older version of them says nothing: believing one, the middle stage
+        stepped on its own while the suffix drafter's proposal for its new token was a header
+        read away. (The upstream's length cannot tell: a drafter running ahead on its own
+        unconfirmed drafts is longer than our tokens before it has read them; docs/protocol.md.)"""
         h = self._read(self.win.header, self.role.upstream)
-        return h.prompt == self.seq and h.idle and h.length >= len(self.out)
+        return (
+            h.prompt == self.seq and h.idle and h.down_epoch == self.epoch and h.down_length >= len(self.out)
+        )
 
     def _read(self, read, rank: int):
         t0 = self.clock.now()
@@ -511,16 +514,23 @@ class StageLoop:
     def _full(self) -> list[int]:
         return self.prompt + self.out
 
+    def _flags(self) -> tuple[int, bool, int, int]:
+        """What a header says beside the tokens: the SD demand, the idle flag and the downstream
+        version they were decided on."""
+        down = self.down if self.role.downstream is not None else None
+        return (self.want, self.idle, down.epoch if down else 0, down.length if down else 0)
+
     def _publish(self, done: bool = False) -> None:
-        self.win.publish(
-            prompt=self.seq, epoch=self.epoch, tokens=self.out, dirty_from=self.dirty_from,
-            done=done, want=self.want, idle=self.idle,
-        )  # fmt: skip
+        want, idle, down_epoch, down_length = flags = self._flags()
+        header = Header(self.seq, self.epoch, len(self.out), done, want, idle, down_epoch, down_length)
+        self.win.publish(header, self.out, self.dirty_from)
         self.dirty_from = len(self.out)
-        self.published = (self.want, self.idle)
+        self.published = flags
 
     def _publish_flags(self) -> bool:
-        if self.published == (self.want, self.idle):
+        """Publish the header if its flags changed (the tokens have not): an idle flag is
+        republished when the downstream moved on, so that it says it is about the new tokens."""
+        if self.published == self._flags():
             return False
         self._publish()
         return True

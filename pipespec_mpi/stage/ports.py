@@ -41,6 +41,11 @@ class Header:
     done: bool
     want: int
     idle: bool
+    # the downstream's epoch and committed length as this stage had read them when it published:
+    # what its idle flag is about (a flag published before the stage read the downstream's newest
+    # tokens says nothing about them)
+    down_epoch: int = 0
+    down_length: int = 0
 
 
 class Clock(Protocol):
@@ -51,10 +56,9 @@ class Clock(Protocol):
 class Window(Protocol):
     """The epochs window: every stage publishes its header and committed tokens; neighbours read."""
 
-    def publish(
-        self, *, prompt: int, epoch: int, tokens: Sequence[int], dirty_from: int,
-        done: bool = False, want: int = 0, idle: bool = False,
-    ) -> None: ...  # fmt: skip
+    def publish(self, header: Header, tokens: Sequence[int], dirty_from: int) -> None:
+        """Make ``header`` and ``tokens`` (header.length of them; those before ``dirty_from``
+        unchanged since the last publish) what neighbours read."""
 
     def header(self, rank: int) -> Header: ...
 

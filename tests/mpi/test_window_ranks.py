@@ -33,6 +33,7 @@ def rank_main(kind: str) -> None:
 
     from pipespec_mpi.comm.bootstrap import world_info
     from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+    from pipespec_mpi.stage.ports import Header
 
     world = world_info()
     comm, r, size = MPI.COMM_WORLD, world.rank, world.size
@@ -51,7 +52,8 @@ def rank_main(kind: str) -> None:
     for v in range(N_VERSIONS + 1):
         toks = tokens_of(r, v)
         dirty = next((i for i, (a, b) in enumerate(zip(prev, toks)) if a != b), min(len(prev), len(toks)))
-        win.publish(prompt=1, epoch=v, tokens=toks, dirty_from=dirty, want=v, idle=v % 2 == 1)
+        header = Header(1, v, len(toks), False, v, v % 2 == 1, down_epoch=2 * v, down_length=3 * v)
+        win.publish(header, toks, dirty)
         prev = toks
         if down is not None:  # the upstream reads its downstream's tokens
             h, theirs = win.snapshot(down)
@@ -59,6 +61,7 @@ def rank_main(kind: str) -> None:
                 assert h.epoch >= last_seen[down], (h.epoch, last_seen[down])
                 assert theirs == tokens_of(down, h.epoch), (kind, r, h.epoch)
                 assert h.length == len(theirs) and h.want == h.epoch and h.idle == (h.epoch % 2 == 1)
+                assert (h.down_epoch, h.down_length) == (2 * h.epoch, 3 * h.epoch)
                 last_seen[down] = h.epoch
         if up is not None:  # the downstream reads its upstream's header
             h = win.header(up)

@@ -100,8 +100,8 @@ class HeaderBoard:
     def __init__(self) -> None:
         self.headers: dict[int, Header] = {}
 
-    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
-        self.headers[1] = Header(prompt, epoch, len(tokens), done, want, idle)
+    def publish(self, header: Header, tokens, dirty_from: int) -> None:
+        self.headers[1] = header
 
     def header(self, rank: int) -> Header:
         return self.headers.get(rank, Header(-1, 0, 0, False, 0, False))
@@ -141,8 +141,9 @@ class Ticks:
 
 def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     """The middle stage (static, ``wait_for_drafter``) steps on its own only when the drafter
-    says it has nothing for the tokens as they are now: an idle header shorter than the middle
-    stage's tokens was published before the drafter read its last token, so it waits."""
+    says it has nothing for the tokens as they are now: an idle flag published before the drafter
+    read the middle stage's last token is about an older text, so it waits, even when the
+    drafter's own unconfirmed drafts make its header longer than the middle stage's tokens."""
     board = HeaderBoard()
     cfg = DecodeConfig(policy="static", wait_for_drafter=True, max_new_tokens=8)
     role = StageRole(1, 3, rank=1, upstream=0, downstream=2, upstream_free=True)
@@ -156,6 +157,9 @@ def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     loop.complete(fwd, loop.model.logits(fwd.seq, fwd.proposal), 0.0)
     assert loop.out == [7]
     assert loop.advance() is Step.WAITING  # the drafter's idle flag predates token 7
-    board.headers[0] = Header(1, 0, 1, False, 0, True)  # it read token 7: still nothing
+    # two drafted tokens of its own, then idle, still on the empty text it had read
+    board.headers[0] = Header(1, 0, 2, False, 0, True, down_epoch=0, down_length=0)
+    assert loop.advance() is Step.WAITING
+    board.headers[0] = Header(1, 0, 2, False, 0, True, down_epoch=0, down_length=1)  # read token 7
     fwd = loop.advance()
     assert isinstance(fwd, Forward) and fwd.act is Act.OWN

@@ -61,6 +61,9 @@ class ChaosEstimates(Estimates):
     def wait_gap(self, now: float) -> float | None:
         return self.rng.choice((None, 0.0, 1e-3, 1.0, 100.0))
 
+    def waited_an_own_step(self, now: float) -> bool:
+        return self.rng.random() < 0.3
+
     @property
     def survival(self) -> list[float]:
         return [self.rng.random() for _ in range(MAX_POSITIONS)]
@@ -94,8 +97,7 @@ class ExWindow:
     def __init__(self, world: World, me: int) -> None:
         self.world, self.me = world, me
 
-    def publish(self, *, prompt, epoch, tokens, dirty_from, done=False, want=0, idle=False) -> None:
-        h = Header(prompt, epoch, len(tokens), bool(done), want, bool(idle))
+    def publish(self, h: Header, tokens, dirty_from: int) -> None:
         self.world.versions[self.me].append((h, tuple(tokens)))
 
     def _read(self, rank: int) -> tuple[Header, tuple[int, ...]]:
