@@ -144,11 +144,11 @@ class DecodeConfig:
     max_run_ahead: int = 8  # how far a stage may run ahead of its verifier's committed tokens (work
     # beyond a rejection is lost and, on shared cores, slows the verifier)
     max_verify: int = 16  # most proposal tokens verified in one forward
-    wait_for_drafter: bool = False  # PipeSpec, lookahead 0: a verifier fed by a model-free drafter
-    # waits for its proposal (or its word that it has none) instead of stepping on its own. Off:
-    # on a 2-core AVX2 EPYC (code, 4 runs each way, alternating) it raised the middle stage's
-    # forwards with a proposal from 40% to 70% but not the speed (1.67x AR against 1.72x): there
-    # a verification of the longer drafts cost 1.3x an own step (docs/performance.md)
+    wait_for_drafter: bool = False  # static PipeSpec, lookahead 0: a verifier fed by a model-free
+    # drafter waits for its proposal (or its word that it has none) instead of stepping on its own
+    # (the adaptive policy always does: policy.answer_due). Off: on a 2-core AVX2 EPYC (code, 4
+    # runs each way, alternating) it raised the middle stage's forwards with a proposal from 40%
+    # to 70% but not the speed (1.67x AR against 1.72x; docs/performance.md)
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
     policy: str = "adaptive"  # PipeSpec's decisions: adaptive (speculative/goodput.py: each verifier
     # verifies, waits or steps on its own by expected tokens per second, from acceptance, forward

@@ -150,6 +150,25 @@ def test_an_adaptive_verifier_steps_on_its_own_when_its_drafter_is_slow_or_poor(
     assert decide(view(timed(gap=0.001, accept=0.02), pending=0), ADAPTIVE).act is Act.OWN
 
 
+def test_an_adaptive_verifier_waits_for_a_model_free_drafters_answer_for_an_own_step_at_most():
+    """A slow, poor upstream by its delivery rate: the verifier would step on its own. From a
+    model-free drafter that has not answered its tokens yet it waits for the answer (a proposal or
+    an idle flag), but not longer than an own step costs, nor while its other slots' forward runs."""
+    est = timed(c0=0.02, gap=1.0, accept=0.3)
+    est.free_since = 9.999  # its last forward ended a millisecond ago
+    assert decide(view(est, pending=0), ADAPTIVE).act is Act.OWN  # a model upstream: by the rates
+    d = decide(view(est, pending=0, upstream_free=True), ADAPTIVE)
+    assert d.act is Act.WAIT and d.upstream_matters
+    assert decide(view(est, pending=0, upstream_free=True, upstream_idle=True), ADAPTIVE).act is Act.OWN
+    assert decide(view(est, pending=0, upstream_free=True, joining=True), ADAPTIVE).act is Act.OWN
+    late = view(est, pending=0, upstream_free=True, now=10.03)  # 31 ms since its forward: > c(0)
+    assert decide(late, ADAPTIVE).act is Act.OWN
+    fresh = Estimates(accept_prior=0.3, rate=0.1)  # no own step timed yet: it waits
+    assert decide(view(fresh, pending=0, upstream_free=True), ADAPTIVE).act is Act.WAIT
+    # something pending: the rates decide (the drafter has answered)
+    assert decide(view(est, pending=1, upstream_free=True), ADAPTIVE).act is Act.VERIFY
+
+
 def test_an_adaptive_drafter_is_held_by_survival_and_says_it_is_idle():
     est = timed()
     for _ in range(50):
