@@ -43,7 +43,7 @@ from pipespec_mpi.stage.ports import Header
 
 HEADER = 10
 PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE, DOWN_EPOCH, DOWN_LENGTH = range(8)
-FIELDS = 8  # the words a publish writes (Header's fields, in this order)
+FIELDS = DOWN_LENGTH + 1  # the words a publish writes (Header's fields, in this order)
 BEAT = 8  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
 SEQ = 9  # sequence lock of the shared window
 

@@ -517,7 +517,7 @@ class StageLoop:
     def _flags(self) -> tuple[int, bool, int, int]:
         """What a header says beside the tokens: the SD demand, the idle flag and the downstream
         version they were decided on."""
-        down = self.down if self.role.downstream is not None else None
+        down = self.down  # None until a downstream was read (always, for the last stage)
         return (self.want, self.idle, down.epoch if down else 0, down.length if down else 0)
 
     def _publish(self, done: bool = False) -> None:
