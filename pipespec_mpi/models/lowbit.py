@@ -65,7 +65,7 @@ def extension(isa: str | None = None):
     add (the float32 order gguf-py uses), never a fused multiply-add."""
     isa = isa or cpu_isa()
     flags: tuple[str, ...] = ("-ffp-contract=off",)
-    name = "pipespec_lowbit_linear_v4"
+    name = "pipespec_lowbit_linear_v5"
     if isa == "avx512" and "avx512_vnni" in cpu_flags():  # w8a8's integer dot products
         flags, name = (*flags, "-mavx512bw", "-mavx512vnni"), name + "_vnni"
     return build(name, kernel_source("lowbit.cpp"), _FUNCTIONS, isa, flags)
