@@ -7,9 +7,14 @@ per layer and forward, about 3-4 ms of a SmolLM2 verification at 200 tokens of c
 SDPA broadcasts the groups itself with a mask as well, with the same result (checked bitwise in
 tests/unit/test_kv_cache.py), so this registers ``sdpa_gqa``: transformers' sdpa with
 ``enable_gqa`` always on. Masks are built exactly as for ``sdpa``.
+
+``attend_rows_alone``: a verification's attention with each row computed as a forward of its
+token alone computes it (the lean forward's ``rows_alone``, the last stage's ``exact_rows``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -58,3 +63,22 @@ def use_sdpa_gqa(model: torch.nn.Module) -> bool:
     AttentionMaskInterface.register(NAME, sdpa_mask)
     model.set_attn_implementation(NAME)
     return True
+
+
+def attend_rows_alone(
+    sdpa: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kw: dict
+) -> torch.Tensor:
+    """Causal attention of the last T positions [1, H, T, D] over keys and values [1, H_kv, L, D]
+    (L >= T, the new positions last), each row as the one-query call a forward of that token alone
+    makes: no mask, the keys up to its own position. SDPA's kernels round a row differently with
+    other rows beside it (1e-7 on the tiny test models), which could tip a near-tie between two
+    logits of a verification away from what one-token steps (AR) commit; one call per row cannot.
+    It costs the SmolLM2 target 0-1 ms at 2-4 rows, 3-6 ms at 8 (a 41-44 ms forward), 2-core Xeon
+    with AMX, 2026-12-04."""
+    t, past = q.shape[2], k.shape[2] - q.shape[2]
+    rows = [
+        sdpa(q[:, :, i : i + 1], k[:, :, : past + i + 1], v[:, :, : past + i + 1], attn_mask=None,
+             dropout_p=0.0, scale=scale, is_causal=False, **kw)
+        for i in range(t)
+    ]  # fmt: skip
+    return torch.cat(rows, dim=2)

@@ -24,13 +24,29 @@ class KVScorer:
     (linears swapped, attention implementation set).
     """
 
-    def __init__(self, name: str, model: torch.nn.Module, device: torch.device, lean: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        device: torch.device,
+        lean: bool = True,
+        exact_rows: bool = False,
+    ) -> None:
         self.name = name
+        self.exact_rows = exact_rows  # decoding forwards: every row bitwise its own one-token forward
         self.model = model.eval()
         self.device = device
         self._cache = preallocated_cache(model.config, 1)
         self._len = 0
         self._lean = None
+        # Rows a decoding forward computes at once: the flat kernel's, where the model has it.
+        # Its linears give a row the same result whatever rows travel with it, up to MAX_ROWS; a
+        # wider forward would run torch's GEMM, whose rounding differs, so a verification of 16
+        # proposals (17 rows) could have tipped a near-tie away from what one-token steps (AR)
+        # commit. Split into kernel-sized pieces it stays bitwise AR's, and costs less: 17 rows of
+        # the SmolLM2 target in 127 ms as one GEMM forward, 66.6 + 24.2 ms as 16 + 1 kernel rows
+        # (2-core Xeon with AMX, 2026-12-04). Prefill keeps one GEMM forward (AR's too).
+        self._rows = _kernel_rows(model)
         why = "transformers forward (lean=False)"
         if lean:
             from pipespec_mpi.models.lean import build_lean
@@ -51,13 +67,30 @@ class KVScorer:
         self._cache = preallocated_cache(self.model.config, len(prompt) + room)
         self._len = 0
         if len(prompt) > 1:
-            self._forward(list(prompt[:-1]), keep=1)
+            self._forward_once(list(prompt[:-1]), keep=1)
+
+    def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+        """Logits [keep, V] of the last ``keep`` of ``tokens``, appended to the cache; forwards
+        wider than ``_rows`` run as pieces of at most ``_rows`` tokens (the kept rows are a
+        suffix, so each piece keeps its own tail of them)."""
+        rows = self._rows
+        if rows is None or len(tokens) <= rows:
+            return self._forward_once(tokens, keep, self.exact_rows)
+        parts = []
+        first_kept = len(tokens) - keep
+        for start in range(0, len(tokens), rows):
+            end = min(start + rows, len(tokens))
+            kept = end - max(start, first_kept)
+            logits = self._forward_once(tokens[start:end], max(kept, 1), self.exact_rows)
+            if kept > 0:
+                parts.append(logits)
+        return torch.cat(parts)
 
     @torch.inference_mode()
-    def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
+    def _forward_once(self, tokens: list[int], keep: int, rows_alone: bool = False) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         if self._lean is not None:
-            logits = self._lean.forward(ids, self._cache, keep)
+            logits = self._lean.forward(ids, self._cache, keep, rows_alone=rows_alone)
         else:
             logits = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=keep).logits
         self._len += len(tokens)
@@ -91,6 +124,14 @@ class KVScorer:
         return list(seq[self._len :]) + list(proposal)
 
 
+def _kernel_rows(model: torch.nn.Module) -> int | None:
+    """The most rows a forward of ``model`` computes row-independently (the flat kernel's), or
+    None where no layer runs the flat kernel (torch or GPU numerics: no split pays there)."""
+    from pipespec_mpi.models.flat_linear import MAX_ROWS, FlatLinear
+
+    return MAX_ROWS if any(isinstance(m, FlatLinear) for m in model.modules()) else None
+
+
 Request = tuple[object, Sequence[int], Sequence[int]]  # (scorer, seq, proposal) as in Scorer.logits
 
 
@@ -115,8 +156,9 @@ def score_batch(requests: Sequence[Request]) -> list[torch.Tensor]:
         else:
             lean = group[0][1]._lean
             logits = lean.forward_batch(
-                [g[2] for g in group], [g[1]._cache for g in group], [g[3] for g in group]
-            )
+                [g[2] for g in group], [g[1]._cache for g in group], [g[3] for g in group],
+                rows_alone=group[0][1].exact_rows,
+            )  # fmt: skip
             start = 0
             for i, sc, new, keep in group:
                 sc._len += len(new)

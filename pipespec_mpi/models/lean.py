@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv as _repeat_kv
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa as _use_gqa_in_sdpa
 
+from pipespec_mpi.models.attention import attend_rows_alone
 from pipespec_mpi.models.kv_cache import PreallocatedLayer
 from pipespec_mpi.models.lean_support import unsupported_reason
 
@@ -249,10 +250,14 @@ class LeanLlama:
     # ---- the forward ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: Cache, keep: int) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, cache: Cache, keep: int, rows_alone: bool = False
+    ) -> torch.Tensor:
         """Logits [1, keep, V] of ``input_ids`` [1, T] after the ``cache``'s positions (which it
         extends), bitwise those of ``model(input_ids=..., cache=cache, logits_to_keep=keep)``;
-        ``keep`` 0 keeps all positions."""
+        ``keep`` 0 keeps all positions. ``rows_alone``: every position's attention as its own
+        one-query attention (``attend_rows_alone``), so that each row is bitwise what a forward
+        of that token alone computes (not what transformers computes for the T tokens)."""
         if cache is not self._cache_ok:
             self._check_cache(cache)
         if input_ids.shape[0] != 1:
@@ -275,12 +280,13 @@ class LeanLlama:
         # The mask as create_causal_mask/sdpa_mask build it: none for one query or an empty
         # cache (then SDPA's is_causal, as the sdpa integrations set it), else kv_idx <= q_idx;
         # turned into the additive mask SDPA makes of a boolean one, once instead of per layer.
-        if t == 1 or past == 0:
+        alone = rows_alone and t > 1
+        if t == 1 or past == 0 or alone:
             mask = None
         else:
             mask = ar[:end][None, None, None, :] <= ar[past:end][None, None, :, None]
             mask = mask.expand(1, -1, t, end)
-        causal = t > 1 and mask is None
+        causal = t > 1 and mask is None and not alone
         additive = mask is not None
         if self.groups > 1 and self.impl == "sdpa":
             per_layer_gqa = True  # transformers' sdpa decides on each layer's key/value
@@ -327,7 +333,10 @@ class LeanLlama:
                     k, v = _repeat_kv(k, self.groups), _repeat_kv(v, self.groups)
             if causal and k.shape[2] > t:
                 k, v = k[:, :, :t], v[:, :, :t]
-            a = sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=causal, **sdpa_kw)
+            if alone:
+                a = attend_rows_alone(sdpa, q, k, v, scaling, sdpa_kw)
+            else:
+                a = sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=causal, **sdpa_kw)
             a = a.transpose(1, 2).contiguous()  # [1, T, H_q, D]
             a = a.reshape(1, t, -1).contiguous()
             h = residual + lay.o(a)
@@ -343,7 +352,11 @@ class LeanLlama:
 
     @torch.inference_mode()
     def forward_batch(
-        self, tokens: list[list[int]], caches: list[Cache], keeps: list[int] | None = None
+        self,
+        tokens: list[list[int]],
+        caches: list[Cache],
+        keeps: list[int] | None = None,
+        rows_alone: bool = False,
     ) -> torch.Tensor:
         """Logits of B sequences, each ``tokens[b]`` appended to its own ``caches[b]``: [B, V]
         for the last token of each, or with ``keeps`` the last ``keeps[b]`` positions of every
@@ -352,7 +365,8 @@ class LeanLlama:
         sequence over its own cache. Every row's logits are bitwise those of ``forward`` on that
         sequence alone when the rows fit the flat kernel (sum T_b <= 16: its outputs do not
         depend on the row count; norms and element-wise ops are per row). Causal attention
-        within a sequence's new tokens is as in ``forward`` (no mask for one token)."""
+        within a sequence's new tokens is as in ``forward`` (no mask for one token; with
+        ``rows_alone``, every row's attention as its own one-query attention)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError("lean forward_batch: one cache per sequence, at least one sequence")
         if not self._table:
@@ -381,7 +395,7 @@ class LeanLlama:
         gqa = {"enable_gqa": True} if self.groups > 1 else {}
         masks = []
         for p, n in zip(pasts, lens, strict=True):
-            if n == 1 or p == 0:
+            if n == 1 or p == 0 or rows_alone:
                 masks.append(None)
             else:
                 m = self._ar[: p + n][None, None, None, :] <= self._ar[p : p + n][None, None, :, None]
@@ -399,6 +413,10 @@ class LeanLlama:
                 lo, hi = bounds[b], bounds[b + 1]
                 kb, vb = cache.layers[lay.idx].update(k[:, :, lo:hi], v[:, :, lo:hi])
                 n = hi - lo
+                if rows_alone and n > 1:
+                    a = attend_rows_alone(sdpa, q[:, :, lo:hi], kb, vb, scaling, gqa)
+                    outs.append(a.transpose(1, 2).reshape(1, n, -1))
+                    continue
                 causal = n > 1 and masks[b] is None
                 if causal and kb.shape[2] > n:
                     kb, vb = kb[:, :, :n], vb[:, :, :n]

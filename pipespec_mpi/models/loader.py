@@ -150,7 +150,8 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
         use_flat_linear(model)
         if stage.exact_blocks:
             read_exact_blocks(model)
-    return KVScorer(stage.name, model, device)
+    exact_rows = index == hier.n_stages - 1 if stage.exact_rows is None else stage.exact_rows
+    return KVScorer(stage.name, model, device, exact_rows=exact_rows)
 
 
 def _suffix_drafter(hier: HierarchyConfig, stage: StageConfig) -> SuffixDrafter:

@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models import flat_linear
 from pipespec_mpi.models.attention import use_sdpa_gqa
-from pipespec_mpi.models.base import KVScorer
+from pipespec_mpi.models.base import KVScorer, score_batch
 from pipespec_mpi.models.flat_linear import extension, use_flat_linear
 from pipespec_mpi.models.kv_cache import preallocated_cache
 from pipespec_mpi.models.lean import LeanLlama, _rotate, _signed, build_lean, unsupported_reason
@@ -248,6 +248,64 @@ def test_kvscorer_lean_equals_transformers_path(flat, caplog):
         seq = seq + proposal[:accepted] + [int(a[accepted].argmax())]
         for s in (lean, plain):
             s.truncate(len(seq) - 1)
+
+
+def _one_token_logits(base: str, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The logits a scorer gives each of ``tokens`` fed one at a time after ``prompt`` (AR's steps)."""
+    steps = KVScorer("steps", model_for(base, flat=True), torch.device("cpu"))
+    steps.prefill(prompt, room=len(tokens) + 2)
+    seq, out = list(prompt), []
+    for tok in tokens:
+        out.append(steps.logits(seq, [])[0])
+        seq.append(tok)
+    out.append(steps.logits(seq, [])[0])
+    return out
+
+
+@needs_kernel
+def test_exact_rows_verification_equals_one_token_steps():
+    """With ``exact_rows`` (the last stage's default) a verification of k proposals gives every
+    position bitwise the logits one-token steps (AR) give it, for k within the flat kernel's 16
+    rows and beyond (17 and 21 rows: split into kernel-sized forwards instead of one torch GEMM);
+    without it SDPA rounds some row differently, which is what the option is for. (The "odd"
+    model is left out: torch's element-wise ops round the tail of a row that is not a whole
+    number of vectors, 72 floats there, differently when another row follows it in memory;
+    real models' widths are multiples of 64.)"""
+    base = "tiny"
+    prompt = [(5 * i + 1) % 250 for i in range(30)]
+    differs = 0
+    for n in (1, 3, 7, 15, 16, 20):
+        proposal = [(11 * i + n) % 250 for i in range(n)]
+        ref = _one_token_logits(base, prompt, proposal)
+        for exact in (True, False):
+            wide = KVScorer("wide", model_for(base, flat=True), torch.device("cpu"), exact_rows=exact)
+            assert wide._rows == flat_linear.MAX_ROWS
+            wide.prefill(prompt, room=n + 2)
+            got = wide.logits(prompt, proposal)
+            assert got.shape[0] == n + 1 and wide._len == len(prompt) + n
+            same = [torch.equal(got[i], ref[i]) for i in range(n + 1)]
+            if exact:
+                assert all(same), (base, n, same)
+            else:
+                differs += not all(same)
+    assert differs > 0  # the comparison can fail: SDPA over several rows rounds differently
+
+
+@needs_kernel
+def test_exact_rows_batched_rows_equal_one_token_steps():
+    """``score_batch`` over slots of an exact-rows scorer: each slot's verification rows are
+    bitwise its one-token steps, whatever the other slots verify in the same forward."""
+    model = model_for("tiny", flat=True)
+    first = KVScorer("batched", model, torch.device("cpu"), exact_rows=True)
+    slots = [first] + [first.for_slot() for _ in range(2)]
+    prompts = [[(5 * i + b) % 250 for i in range(n)] for b, n in enumerate((9, 23, 14))]
+    proposals = [[3, 4, 5], [6], [7, 8, 9, 10, 11]]
+    for sc, p, prop in zip(slots, prompts, proposals, strict=True):
+        sc.prefill(p, room=len(prop) + 2)
+    got = score_batch([(sc, p, prop) for sc, p, prop in zip(slots, prompts, proposals, strict=True)])
+    for b, (p, prop) in enumerate(zip(prompts, proposals, strict=True)):
+        ref = _one_token_logits("tiny", p, prop)
+        assert all(torch.equal(got[b][i], ref[i]) for i in range(len(prop) + 1)), b
 
 
 @pytest.mark.parametrize("flat", [False, pytest.param(True, marks=needs_kernel)])
