@@ -14,8 +14,9 @@ verification compute bitwise the same linear layers for the same inputs. A layer
 weights are exactly llama.cpp blocks (``lowbit.read_exact_blocks``: a model dequantised from a GGUF,
 as the embedded SmolLM2 is) reads the blocks instead in these forwards, through the low-bit
 kernel that computes bitwise the same dot products: the same outputs from about a quarter of the
-bytes (SmolLM2-135M's one-token step 52 -> 24 ms on a 2-core Xeon with AMX, 2026-12-04); larger
-forwards keep torch's GEMM on the float32 weights, so every output stays bitwise what it was.
+bytes (SmolLM2-135M's one-token step 52 -> 24 ms on a 2-core Xeon with AMX, 2026-12-04). A
+prompt's prefill keeps torch's GEMM on the float32 weights (the same for every method), and
+``KVScorer`` runs a wider decoding forward as pieces of MAX_ROWS rows.
 The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cached in
 ~/.cache/torch_extensions); where it cannot be, the model keeps torch's matmul and a warning says so.
 """

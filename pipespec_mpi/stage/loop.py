@@ -159,10 +159,16 @@ class StageLoop:
         self.mailbox.pump()
 
     def begin(
-        self, prompt: Sequence[int], method: str, verifier: Verifier, max_new_tokens: int | None = None
+        self,
+        prompt: Sequence[int],
+        method: str,
+        verifier: Verifier,
+        max_new_tokens: int | None = None,
+        store_key: str | None = None,
     ) -> None:
         """Start decoding ``prompt`` (after ``reset``): prefill, then ``step()``. ``max_new_tokens``:
-        this prompt's budget, at most the configured one (the window and buffers are sized by it)."""
+        this prompt's budget, at most the configured one (the window and buffers are sized by it);
+        ``store_key``: a drafter's job store for this sequence (default: the method's)."""
         self.prompt, self.method, self.verifier = list(prompt), method, verifier
         self.limit = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
         self.t_start = self.clock.now()
@@ -174,8 +180,8 @@ class StageLoop:
         room = self.limit + self.cfg.max_verify + 1
         if self.is_scorer:
             self.model.prefill(self.prompt, room=room)
-        else:  # a drafter's job store is the method's own (models/suffix.py)
-            self.model.prefill(self.prompt, room=room, store_key=method)
+        else:  # a drafter's job store (models/suffix.py)
+            self.model.prefill(self.prompt, room=room, store_key=store_key or method)
         t1 = self.clock.now()
         self.stats.prefill_s = t1 - self.t_start
         self._event(self.t_start, t1, "prefill", len(self.prompt))

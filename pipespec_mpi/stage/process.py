@@ -33,6 +33,7 @@ class Job(Protocol):
     prompt_ids: list[int]
     method: str
     max_new_tokens: int | None  # the prompt's own budget (None: the stage's decode.max_new_tokens)
+    store_key: str  # the drafter's job store it drafts from and joins (models/suffix.py)
 
 
 class Gate(Protocol):
@@ -131,7 +132,9 @@ class StageProcess:
             if self.on_start is not None:
                 self.on_start(self.job)
             job = self.job
-            self.loop.begin(job.prompt_ids, job.method, self.verifier_for(job), job.max_new_tokens)
+            self.loop.begin(
+                job.prompt_ids, job.method, self.verifier_for(job), job.max_new_tokens, job.store_key
+            )
             self.phase = "decode"
             return Step.PROGRESS
         if self.phase == "decode":

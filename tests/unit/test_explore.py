@@ -106,7 +106,9 @@ BUDGET = [("pipespec-greedy-batch", 0, "mismatch"), ("sd-greedy-suffix", 2, "mis
 def test_a_prompts_own_budget_is_kept_by_every_stage(monkeypatch, family, seed, verdict):
     assert Scenario.draw(family, seed).budgets and explore(family, seed).ok
     begin = StageLoop.begin
-    monkeypatch.setattr(StageLoop, "begin", lambda self, p, m, v, max_new_tokens=None: begin(self, p, m, v))
+    monkeypatch.setattr(
+        StageLoop, "begin", lambda self, p, m, v, max_new_tokens=None, store_key=None: begin(self, p, m, v)
+    )
     assert explore(family, seed).verdict == verdict
 
 

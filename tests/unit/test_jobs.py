@@ -37,6 +37,23 @@ def test_single_mode_decodes_at_decode_batch_size_and_resume_skips_by_batch_size
     assert [j.prompt_id for j in plan_jobs(cfg, PROMPTS, done)] == ["p1", "p2", "p3", "p4"]
 
 
+def test_no_job_drafts_from_its_prompts_output_in_another_phase():
+    """A benchmark decodes every prompt in its warm-up and once per (method, batch size): each of
+    those jobs has its own drafter job store, so no prompt is drafted from its own earlier output;
+    a single-mode job, which decodes each prompt once, keeps one store for the whole job."""
+    cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[sd,pipespec]",
+                          "run.batch_sizes=[1,4]"])  # fmt: skip
+    jobs = plan_jobs(cfg, PROMPTS, set())
+    for pid in {j.prompt_id for j in jobs}:
+        keys = [j.store_key for j in jobs if j.prompt_id == pid]
+        assert len(keys) == len(set(keys)), (pid, keys)
+    assert {j.store_key for j in jobs} == {
+        "sd:warmup", "pipespec:warmup", "sd:b1", "pipespec:b1", "sd:b4", "pipespec:b4"
+    }  # fmt: skip
+    single = plan_jobs(compose_config(["hierarchy=tiny"]), PROMPTS, set())
+    assert {j.store_key for j in single} == {"pipespec:b1"}
+
+
 def test_a_rows_own_budget_rides_with_each_of_its_jobs():
     cfg = compose_config(["hierarchy=tiny", "run.mode=benchmark", "run.methods=[ar,pipespec]"])
     prompts = [Prompt("short", [1, 2], 0, RowSettings(max_tokens=3)), Prompt("plain", [1, 3], 1)]

@@ -139,6 +139,21 @@ class Ticks:
         return self.t
 
 
+def test_a_drafter_drafts_from_the_job_store_its_job_names():
+    """``begin``'s ``store_key`` picks the suffix drafter's job store (run/jobs.py ``Job.store_key``:
+    one per method and batch size, and the warm-ups'); without one, the method's."""
+    from pipespec_mpi.models.suffix import SuffixDrafter
+
+    drafter = SuffixDrafter("suffix")
+    role = StageRole(0, 2, rank=0, upstream=None, downstream=1)
+    loop = StageLoop(role, drafter, HeaderBoard(), None, None, Ticks(), DecodeConfig(max_new_tokens=4), 0)
+    for seq, key in ((1, "pipespec:warmup"), (2, "pipespec:b4"), (3, None)):
+        loop.reset(seq)
+        loop.begin([3, 4, 5], "pipespec", Greedy(), store_key=key)
+    assert set(drafter.learned) == {"pipespec:warmup", "pipespec:b4", "pipespec"}
+    assert drafter.store is drafter.learned["pipespec"][0]
+
+
 def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     """The middle stage (static, ``wait_for_drafter``) steps on its own only when the drafter
     says it has nothing for the tokens as they are now: an idle flag published before the drafter

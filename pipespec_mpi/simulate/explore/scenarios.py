@@ -220,6 +220,10 @@ class ExJob:
     method: str
     max_new_tokens: int | None = None
 
+    @property
+    def store_key(self) -> str:
+        return self.method
+
 
 @dataclass(frozen=True)
 class Parts:
