@@ -94,7 +94,7 @@ class StageConfig:
     exact_blocks: bool = True  # flat_linear: a layer whose weights are exactly Q4_1/Q8_0 blocks (a
     # GGUF dequantised, as the embedded SmolLM2) reads the blocks: bitwise the same, fewer bytes
     exact_rows: bool | None = None  # lean forward: each row of a verification attends as a forward
-    # of its token alone would, so greedy output is bitwise AR's (models/lean.py attend_rows_alone);
+    # of its token alone would, so greedy output is bitwise AR's (models/attention.py attend_rows_alone);
     # None: on for the last stage (its tokens are the output), off for drafters (their rounding
     # only moves acceptance, and the middle stage is the bottleneck: +3-6 ms per 8-row forward)
     ngram: int = 3

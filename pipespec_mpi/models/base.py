@@ -44,7 +44,7 @@ class KVScorer:
         # wider forward would run torch's GEMM, whose rounding differs, so a verification of 16
         # proposals (17 rows) could have tipped a near-tie away from what one-token steps (AR)
         # commit. Split into kernel-sized pieces it stays bitwise AR's, and costs less: 17 rows of
-        # the SmolLM2 target in 127 ms as one GEMM forward, 66.6 + 24.2 ms as 16 + 1 kernel rows
+        # the SmolLM2 target in 127 ms as one GEMM forward, about 71 + 22 ms as 16 + 1 kernel rows
         # (2-core Xeon with AMX, 2026-12-04). Prefill keeps one GEMM forward (AR's too).
         self._rows = _kernel_rows(model)
         why = "transformers forward (lean=False)"
