@@ -96,7 +96,8 @@ class StageConfig:
     exact_rows: bool | None = None  # lean forward: each row of a verification attends as a forward
     # of its token alone would, so greedy output is bitwise AR's (models/attention.py attend_rows_alone);
     # None: on for the last stage (its tokens are the output), off for drafters (their rounding
-    # only moves acceptance, and the middle stage is the bottleneck: +3-6 ms per 8-row forward)
+    # only moves acceptance, and the middle stage is the bottleneck: +3-6 ms per 8-row forward);
+    # only where the stage runs the flat kernel (CPU float32), whose linears are row-independent
     ngram: int = 3
     max_proposal: int = 8  # prompt_lookup, suffix: most tokens per proposal
     max_match: int = 16  # suffix: longest suffix matched

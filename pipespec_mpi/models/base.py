@@ -33,7 +33,6 @@ class KVScorer:
         exact_rows: bool = False,
     ) -> None:
         self.name = name
-        self.exact_rows = exact_rows  # decoding forwards: every row bitwise its own one-token forward
         self.model = model.eval()
         self.device = device
         self._cache = preallocated_cache(model.config, 1)
@@ -47,6 +46,11 @@ class KVScorer:
         # the SmolLM2 target in 127 ms as one GEMM forward, about 71 + 22 ms as 16 + 1 kernel rows
         # (2-core Xeon with AMX, 2026-12-04). Prefill keeps one GEMM forward (AR's too).
         self._rows = _kernel_rows(model)
+        # Decoding forwards: every row's attention as its own token's (lean.py ``rows_alone``), so
+        # each row is bitwise its one-token forward. Only where the linears are row-independent
+        # (the flat kernel): elsewhere (torch GEMM, GPUs) rows round differently anyway, and a
+        # wide GPU verification would pay one attention call per row for nothing.
+        self.exact_rows = exact_rows and self._rows is not None
         why = "transformers forward (lean=False)"
         if lean:
             from pipespec_mpi.models.lean import build_lean

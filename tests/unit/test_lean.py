@@ -289,6 +289,9 @@ def test_exact_rows_verification_equals_one_token_steps():
             else:
                 differs += not all(same)
     assert differs > 0  # the comparison can fail: SDPA over several rows rounds differently
+    # without the flat kernel (torch's GEMM, a GPU) rows round differently anyway: the option is off
+    plain = KVScorer("plain", model_for(base, flat=False), torch.device("cpu"), exact_rows=True)
+    assert plain._rows is None and not plain.exact_rows
 
 
 @needs_kernel
