@@ -85,6 +85,7 @@ class KVScorer:
         for start in range(0, len(tokens), rows):
             end = min(start + rows, len(tokens))
             kept = end - max(start, first_kept)
+            # a piece before the kept rows keeps one (keep 0 would mean every row) and drops it
             logits = self._forward_once(tokens[start:end], max(kept, 1), self.exact_rows)
             if kept > 0:
                 parts.append(logits)
