@@ -30,7 +30,7 @@ class KVScorer:
         model: torch.nn.Module,
         device: torch.device,
         lean: bool = True,
-        exact_rows: bool = False,
+        exact_rows: bool | None = False,
     ) -> None:
         self.name = name
         self.model = model.eval()
@@ -46,17 +46,23 @@ class KVScorer:
         # the SmolLM2 target in 127 ms as one GEMM forward, about 71 + 22 ms as 16 + 1 kernel rows
         # (2-core Xeon with AMX, 2026-12-04). Prefill keeps one GEMM forward (AR's too).
         self._rows = _kernel_rows(model)
-        # Decoding forwards: every row's attention as its own token's (lean.py ``rows_alone``), so
-        # each row is bitwise its one-token forward. Only where the linears are row-independent
-        # (the flat kernel): elsewhere (torch GEMM, GPUs) rows round differently anyway, and a
-        # wide GPU verification would pay one attention call per row for nothing.
-        self.exact_rows = exact_rows and self._rows is not None
         why = "transformers forward (lean=False)"
         if lean:
             from pipespec_mpi.models.lean import build_lean
 
             self._lean, why = build_lean(self.model)
         log.info("%s: %s", name, why)
+        # Decoding forwards: every row's attention as its own token's (lean.py ``rows_alone``), so
+        # each row is bitwise its one-token forward where the linears are row-independent (the
+        # flat kernel). With the row kernel that is also the cheaper attention (SmolLM2 at 300
+        # positions: a 1-row forward 19.6 ms against 20.5 with SDPA, 8 rows 39.9 against 40.7,
+        # four sequences of one row 34.6 against 38.0; 2-core Xeon with AMX, 2026-12-05), so None
+        # turns it on wherever that kernel runs. Without it (a GPU) one SDPA call per row would
+        # buy nothing where the linears round rows differently anyway (torch GEMM): off there.
+        kernel = self._lean is not None and self._lean.rows_kernel is not None
+        if exact_rows is None:
+            exact_rows = kernel
+        self.exact_rows = exact_rows and (kernel or self._rows is not None)
 
     @property
     def vocab_size(self) -> int:

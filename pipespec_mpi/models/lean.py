@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv as _repeat_kv
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa as _use_gqa_in_sdpa
 
-from pipespec_mpi.models.attention import attend_rows_alone
+from pipespec_mpi.models.attention import attend_rows_alone, rows_kernel
 from pipespec_mpi.models.kv_cache import PreallocatedLayer
-from pipespec_mpi.models.lean_support import unsupported_reason
+from pipespec_mpi.models.lean_support import _rms_norm, _rotate, _signed, unsupported_reason
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -124,35 +124,6 @@ class _Layer:
         return self.down(act * up)
 
 
-def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary)."""
-    input_dtype = h.dtype
-    if input_dtype is not torch.float32:
-        h = h.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * variance.add_(eps).rsqrt_()
-    if input_dtype is not torch.float32:
-        h = h.to(input_dtype)
-    if weight.dtype is input_dtype:
-        return h.mul_(weight)  # weight * h: the same products
-    return weight * h
-
-
-def _rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin_s: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """apply_rotary_pos_emb's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7:
-    rotate_half(x) * sin == roll(x, D/2) * sin_s, with sin_s = ``_signed(sin)``, product for
-    product ((-a) * b == a * (-b) exactly); same values, and the same strides for the result."""
-    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin_s, out=out)
-
-
-def _signed(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with the first half of its last dim negated (exact: a sign flip)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
 class LeanLlama:
     """The forward of a transformers Llama causal LM as one flat loop (see the module docstring).
 
@@ -191,6 +162,8 @@ class LeanLlama:
         self.fuse_rows = int(getattr(flat_linear, "MAX_ROWS", 16))
         self.layers = [_Layer(i, inner.layers[i], fuse) for i in range(self.n_layers)]
         self.fused = sum((lay.qkv is not None) + (lay.gate_up is not None) for lay in self.layers)
+        # rows_alone's attention: kernels/attention.cpp where it builds (float32), else per-row SDPA
+        self.rows_kernel = rows_kernel() if self.dtype == torch.float32 else None
         self._cache_ok: object | None = None  # the last cache checked for a supported layout
         self._cap = 0
         self._table = True  # False: cos/sin come from the rotary module at every forward
@@ -255,9 +228,10 @@ class LeanLlama:
     ) -> torch.Tensor:
         """Logits [1, keep, V] of ``input_ids`` [1, T] after the ``cache``'s positions (which it
         extends), bitwise those of ``model(input_ids=..., cache=cache, logits_to_keep=keep)``;
-        ``keep`` 0 keeps all positions. ``rows_alone``: every position's attention as its own
-        one-query attention (``attend_rows_alone``), so that each row is bitwise what a forward
-        of that token alone computes (not what transformers computes for the T tokens)."""
+        ``keep`` 0 keeps all positions. ``rows_alone``: every position's attention computed alone
+        (the row kernel where it builds, else ``attend_rows_alone``), so that each row is bitwise
+        what a forward of that token alone computes (not what transformers computes for the T
+        tokens); a forward of one token then runs the row kernel too."""
         if cache is not self._cache_ok:
             self._check_cache(cache)
         if input_ids.shape[0] != 1:
@@ -280,13 +254,14 @@ class LeanLlama:
         # The mask as create_causal_mask/sdpa_mask build it: none for one query or an empty
         # cache (then SDPA's is_causal, as the sdpa integrations set it), else kv_idx <= q_idx;
         # turned into the additive mask SDPA makes of a boolean one, once instead of per layer.
-        alone = rows_alone and t > 1
-        if t == 1 or past == 0 or alone:
+        kernel = self.rows_kernel if rows_alone else None
+        alone = rows_alone and t > 1 and kernel is None
+        if t == 1 or past == 0 or alone or kernel is not None:
             mask = None
         else:
             mask = ar[:end][None, None, None, :] <= ar[past:end][None, None, :, None]
             mask = mask.expand(1, -1, t, end)
-        causal = t > 1 and mask is None and not alone
+        causal = t > 1 and mask is None and not alone and kernel is None
         additive = mask is not None
         if self.groups > 1 and self.impl == "sdpa":
             per_layer_gqa = True  # transformers' sdpa decides on each layer's key/value
@@ -333,12 +308,16 @@ class LeanLlama:
                     k, v = _repeat_kv(k, self.groups), _repeat_kv(v, self.groups)
             if causal and k.shape[2] > t:
                 k, v = k[:, :, :t], v[:, :, :t]
-            if alone:
-                a = attend_rows_alone(sdpa, q, k, v, scaling, sdpa_kw)
+            if kernel is not None:
+                a = kernel(q, [k], [v], [0, t], scaling)  # [1, T, H_q * D]
             else:
-                a = sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=causal, **sdpa_kw)
-            a = a.transpose(1, 2).contiguous()  # [1, T, H_q, D]
-            a = a.reshape(1, t, -1).contiguous()
+                if alone:
+                    a = attend_rows_alone(sdpa, q, k, v, scaling, sdpa_kw)
+                else:
+                    a = sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=causal,
+                             **sdpa_kw)  # fmt: skip
+                a = a.transpose(1, 2).contiguous()  # [1, T, H_q, D]
+                a = a.reshape(1, t, -1).contiguous()
             h = residual + lay.o(a)
 
             residual = h
@@ -366,7 +345,8 @@ class LeanLlama:
         sequence alone when the rows fit the flat kernel (sum T_b <= 16: its outputs do not
         depend on the row count; norms and element-wise ops are per row). Causal attention
         within a sequence's new tokens is as in ``forward`` (no mask for one token; with
-        ``rows_alone``, every row's attention as its own one-query attention)."""
+        ``rows_alone``, every row's attention computed alone: with the row kernel, one call per
+        layer for all the sequences)."""
         if len(tokens) != len(caches) or not tokens:
             raise ValueError("lean forward_batch: one cache per sequence, at least one sequence")
         if not self._table:
@@ -394,6 +374,7 @@ class LeanLlama:
         sdpa = F.scaled_dot_product_attention
         gqa = {"enable_gqa": True} if self.groups > 1 else {}
         masks = []
+        kernel = self.rows_kernel if rows_alone else None
         for p, n in zip(pasts, lens, strict=True):
             if n == 1 or p == 0 or rows_alone:
                 masks.append(None)
@@ -408,11 +389,14 @@ class LeanLlama:
             q, k, v = lay.qkv_heads(x, fused, (1, rows, -1, hd), head_split)
             q = _rotate(q, cos, sin_s)
             k = _rotate(k, cos, sin_s)
-            outs = []
+            outs, kvs = [], []
             for b, cache in enumerate(caches):
                 lo, hi = bounds[b], bounds[b + 1]
                 kb, vb = cache.layers[lay.idx].update(k[:, :, lo:hi], v[:, :, lo:hi])
                 n = hi - lo
+                if kernel is not None:
+                    kvs.append((kb, vb))
+                    continue
                 if rows_alone and n > 1:
                     a = attend_rows_alone(sdpa, q[:, :, lo:hi], kb, vb, scaling, gqa)
                     outs.append(a.transpose(1, 2).reshape(1, n, -1))
@@ -423,7 +407,10 @@ class LeanLlama:
                 a = sdpa(q[:, :, lo:hi], kb, vb, attn_mask=masks[b], dropout_p=0.0, scale=scaling,
                          is_causal=causal, **gqa)  # fmt: skip
                 outs.append(a.transpose(1, 2).reshape(1, n, -1))
-            a = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
+            if kernel is not None:
+                a = kernel(q, [kv[0] for kv in kvs], [kv[1] for kv in kvs], bounds, scaling)
+            else:
+                a = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
             h = residual + lay.o(a)
 
             residual = h

@@ -1,5 +1,6 @@
 """Which models the lean forward (lean.py) can run: unsupported_reason checks a transformers
-model's class, attention and mask functions, rotary scaling and modules, and names what differs."""
+model's class, attention and mask functions, rotary scaling and modules, and names what differs.
+And the element-wise ops it runs in place of transformers' modules, each exact."""
 
 from __future__ import annotations
 
@@ -70,3 +71,32 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "global module forward hooks are installed"
     return None
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary)."""
+    input_dtype = h.dtype
+    if input_dtype is not torch.float32:
+        h = h.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * variance.add_(eps).rsqrt_()
+    if input_dtype is not torch.float32:
+        h = h.to(input_dtype)
+    if weight.dtype is input_dtype:
+        return h.mul_(weight)  # weight * h: the same products
+    return weight * h
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin_s: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """apply_rotary_pos_emb's ``x * cos + rotate_half(x) * sin`` in 4 ops instead of 7:
+    rotate_half(x) * sin == roll(x, D/2) * sin_s, with sin_s = ``_signed(sin)``, product for
+    product ((-a) * b == a * (-b) exactly); same values, and the same strides for the result."""
+    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin_s, out=out)
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with the first half of its last dim negated (exact: a sign flip)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)

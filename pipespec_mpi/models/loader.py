@@ -150,7 +150,9 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
         use_flat_linear(model)
         if stage.exact_blocks:
             read_exact_blocks(model)
-    exact_rows = index == hier.n_stages - 1 if stage.exact_rows is None else stage.exact_rows
+    exact_rows = stage.exact_rows
+    if exact_rows is None and index == hier.n_stages - 1:
+        exact_rows = True  # the output's stage: exact with or without the row kernel
     return KVScorer(stage.name, model, device, exact_rows=exact_rows)
 
 

@@ -5,6 +5,7 @@ an int8 dynamic copy; unsupported models keep the transformers forward."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -250,9 +251,22 @@ def test_kvscorer_lean_equals_transformers_path(flat, caplog):
             s.truncate(len(seq) - 1)
 
 
-def _one_token_logits(base: str, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    """The logits a scorer gives each of ``tokens`` fed one at a time after ``prompt`` (AR's steps)."""
-    steps = KVScorer("steps", model_for(base, flat=True), torch.device("cpu"))
+def _scorer(name: str, model: torch.nn.Module, exact: bool, kernel: bool = True) -> KVScorer:
+    """A scorer with ``exact_rows``; ``kernel`` False: its rows alone by SDPA, not the row kernel."""
+    sc = KVScorer(name, model, torch.device("cpu"), exact_rows=exact)
+    sc._lean = copy.copy(sc._lean)
+    if not kernel:
+        sc._lean.rows_kernel = None
+    assert (sc._lean.rows_kernel is not None) == kernel
+    return sc
+
+
+def _one_token_logits(
+    base: str, prompt: list[int], tokens: list[int], exact: bool = True, kernel: bool = True
+) -> list[torch.Tensor]:
+    """The logits a scorer gives each of ``tokens`` fed one at a time after ``prompt`` (AR's
+    steps, as the scorer runs them: with ``exact_rows``, the row kernel's attention too)."""
+    steps = _scorer("steps", model_for(base, flat=True), exact, kernel)
     steps.prefill(prompt, room=len(tokens) + 2)
     seq, out = list(prompt), []
     for tok in tokens:
@@ -263,11 +277,13 @@ def _one_token_logits(base: str, prompt: list[int], tokens: list[int]) -> list[t
 
 
 @needs_kernel
-def test_exact_rows_verification_equals_one_token_steps():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_exact_rows_verification_equals_one_token_steps(kernel):
     """With ``exact_rows`` (the last stage's default) a verification of k proposals gives every
     position bitwise the logits one-token steps (AR) give it, for k within the flat kernel's 16
-    rows and beyond (17 and 21 rows: split into kernel-sized forwards instead of one torch GEMM);
-    without it SDPA rounds some row differently, which is what the option is for. (The "odd"
+    rows and beyond (17 and 21 rows: split into kernel-sized forwards instead of one torch GEMM),
+    by the row kernel and by one SDPA call per row where it does not build; without it SDPA
+    rounds some row differently, which is what the option is for. (The "odd"
     model is left out: torch's element-wise ops round the tail of a row that is not a whole
     number of vectors, 72 floats there, differently when another row follows it in memory;
     real models' widths are multiples of 64.)"""
@@ -276,9 +292,9 @@ def test_exact_rows_verification_equals_one_token_steps():
     differs = 0
     for n in (1, 3, 7, 15, 16, 20):
         proposal = [(11 * i + n) % 250 for i in range(n)]
-        ref = _one_token_logits(base, prompt, proposal)
         for exact in (True, False):
-            wide = KVScorer("wide", model_for(base, flat=True), torch.device("cpu"), exact_rows=exact)
+            ref = _one_token_logits(base, prompt, proposal, exact, kernel=kernel and exact)
+            wide = _scorer("wide", model_for(base, flat=True), exact, kernel=kernel and exact)
             assert wide._rows == flat_linear.MAX_ROWS
             wide.prefill(prompt, room=n + 2)
             got = wide.logits(prompt, proposal)
@@ -289,17 +305,30 @@ def test_exact_rows_verification_equals_one_token_steps():
             else:
                 differs += not all(same)
     assert differs > 0  # the comparison can fail: SDPA over several rows rounds differently
-    # without the flat kernel (torch's GEMM, a GPU) rows round differently anyway: the option is off
+    # without the flat kernel (torch's GEMM, a GPU) rows round differently anyway: one SDPA call
+    # per row would buy nothing, so the option is off unless the row kernel runs (then cheaper)
     plain = KVScorer("plain", model_for(base, flat=False), torch.device("cpu"), exact_rows=True)
-    assert plain._rows is None and not plain.exact_rows
+    assert plain._rows is None and plain.exact_rows == (plain._lean.rows_kernel is not None)
+
+
+def test_exact_rows_off_without_the_flat_or_the_row_kernel(monkeypatch):
+    import pipespec_mpi.models.lean as lean_module
+
+    monkeypatch.setattr(lean_module, "rows_kernel", lambda isa=None: None)
+    plain = KVScorer("plain", model_for("tiny", flat=False), torch.device("cpu"), exact_rows=True)
+    assert plain._lean is not None and plain._lean.rows_kernel is None and not plain.exact_rows
+    default = KVScorer("default", model_for("tiny", flat=True), torch.device("cpu"), exact_rows=None)
+    assert not default.exact_rows  # None: on only where the row kernel runs
 
 
 @needs_kernel
-def test_exact_rows_batched_rows_equal_one_token_steps():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_exact_rows_batched_rows_equal_one_token_steps(kernel):
     """``score_batch`` over slots of an exact-rows scorer: each slot's verification rows are
-    bitwise its one-token steps, whatever the other slots verify in the same forward."""
+    bitwise its one-token steps, whatever the other slots verify in the same forward (the row
+    kernel: all slots in one call per layer)."""
     model = model_for("tiny", flat=True)
-    first = KVScorer("batched", model, torch.device("cpu"), exact_rows=True)
+    first = _scorer("batched", model, exact=True, kernel=kernel)
     slots = [first] + [first.for_slot() for _ in range(2)]
     prompts = [[(5 * i + b) % 250 for i in range(n)] for b, n in enumerate((9, 23, 14))]
     proposals = [[3, 4, 5], [6], [7, 8, 9, 10, 11]]
@@ -307,7 +336,7 @@ def test_exact_rows_batched_rows_equal_one_token_steps():
         sc.prefill(p, room=len(prop) + 2)
     got = score_batch([(sc, p, prop) for sc, p, prop in zip(slots, prompts, proposals, strict=True)])
     for b, (p, prop) in enumerate(zip(prompts, proposals, strict=True)):
-        ref = _one_token_logits("tiny", p, prop)
+        ref = _one_token_logits("tiny", p, prop, kernel=kernel)
         assert all(torch.equal(got[b][i], ref[i]) for i in range(len(prop) + 1)), b
 
 
