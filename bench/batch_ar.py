@@ -4,7 +4,8 @@
 
 A first piece of issue #14 (many sequences in flight per pipeline): the target decodes the
 prompts greedily B at a time, one token per sequence per forward (``LeanLlama.forward_batch``:
-linear layers once over the B rows, attention per sequence over its own cache), and the script
+linear layers once over the B rows, attention over each sequence's own cache: the row kernel's
+one call per layer where the target runs it, as in the job, ``exact_rows``), and the script
 reports tokens/s per B, the cost of one batched step against a one-sequence step, and whether
 every sequence's tokens equal its B = 1 decode (they must: rows are independent in the flat
 kernel). Prefill is per sequence and not timed. Batch sizes interleave round by round.
@@ -37,7 +38,7 @@ def decode(scorer, prompts: list[list[int]], tokens: int) -> tuple[list[list[int
     out = [[t] for t in nxt]
     t0 = time.perf_counter()
     for _ in range(tokens - 1):
-        logits = lean.forward_batch([[t] for t in nxt], caches)  # [B, V]
+        logits = lean.forward_batch([[t] for t in nxt], caches, rows_alone=scorer.exact_rows)  # [B, V]
         nxt = logits.argmax(-1).tolist()
         for o, t in zip(out, nxt, strict=True):
             o.append(t)
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="humaneval")
+    ap.add_argument("--sdpa", action="store_true", help="attention by SDPA per sequence (no row kernel)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = compose_config([f"dataset={a.dataset}", f"dataset.n_prompts={a.prompts}", f"dataset.seed={a.seed}"])
@@ -60,6 +62,8 @@ def main() -> None:
     scorer = load_stage(hier, hier.n_stages - 1, [])
     if scorer._lean is None:
         raise SystemExit("the target has no lean forward here; batched AR needs it")
+    if a.sdpa:
+        scorer.exact_rows = False
     prompts = [p.ids for p in tokenize_prompts(cfg, load_tokenizer(hier.tokenizer, hier.name)).prompts]
     sizes = [int(b) for b in a.batch.split(",")]
     secs: dict[int, list[float]] = {b: [] for b in sizes}
@@ -76,7 +80,8 @@ def main() -> None:
     cpu = cpu_identity()
     print(f"{cpu['cpu']} ({platform.machine()}; {', '.join(cpu['isa'])}), {a.threads} thread(s), "
           f"torch {torch.__version__}; {len(prompts)} {a.dataset} prompts (seed {a.seed}), "
-          f"{a.tokens} tokens each, median of {a.rounds} interleaved rounds, prefill not timed")  # fmt: skip
+          f"{a.tokens} tokens each, median of {a.rounds} interleaved rounds, prefill not timed; "
+          f"attention {'row kernel' if scorer.exact_rows else 'SDPA per sequence'}")  # fmt: skip
     n_tok = len(prompts) * (a.tokens - 1)
     base = statistics.median(secs[sizes[0]])
     print("| B | tokens/s | x B=1 | ms per batched step | step / one-sequence step | outputs = B=1 |")
