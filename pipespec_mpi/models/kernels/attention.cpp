@@ -12,7 +12,8 @@
 //
 // Per row and head: s_j = (q . k_j) * scale, e_j = exp(s_j - max s), out = sum_j e_j v_j / sum e_j.
 // Every sum runs in an order fixed by D and the row's own key count: a dot product over D in
-// vectors then one horizontal sum; the softmax sum lane by lane over the keys in vectors (the
+// vectors, then a fixed tree over the lanes (lane_sums; one horizontal sum where D is not a
+// whole number of vectors); the softmax sum lane by lane over the keys in vectors (the
 // last vector's unused lanes zero), then one horizontal sum; the weighted sum key after key.
 #include "simd.h"
 #include <cmath>
