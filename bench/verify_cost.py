@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/verify_cost.py [--threads 1] [--context 200] [--rounds 9]
 
-Three variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``,
+Four variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``,
 sdpa); the flat small-M kernel of models/flat_linear.py with the preallocated cache of
-models/kv_cache.py and grouped-query SDPA without KV copies (models/attention.py); and what the
-stages run, that and the exact GGUF blocks read through the low-bit kernel
-(``lowbit.read_exact_blocks``, the loader's default ``exact_blocks``). k is the rows of the
+models/kv_cache.py and grouped-query SDPA without KV copies (models/attention.py); that and the
+exact GGUF blocks read through the low-bit kernel (``lowbit.read_exact_blocks``, the loader's
+default ``exact_blocks``), both through transformers' forward; and what the target stage runs,
+that through the lean forward with every decoding row's attention alone (``exact_rows``: the
+row attention kernel where it builds). k is the rows of the
 forward: a verification of k - 1 proposals, or a batched forward of k one-token slots.
 Measurements are interleaved: each round times every (variant, k) once in a shuffled order
 after the same context, so drifts of a shared machine hit all alike; the table shows medians
@@ -21,6 +23,7 @@ import copy
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -28,18 +31,34 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.flat_linear import cpu_isa, use_flat_linear
 from pipespec_mpi.models.kv_cache import preallocated_cache
+from pipespec_mpi.models.lean import build_lean
 from pipespec_mpi.models.lowbit import read_exact_blocks
 from pipespec_mpi.models.smollm2 import ensure_cache
 
+Forward = Callable[[torch.Tensor, object, int, bool], object]  # (ids, cache, keep, decoding)
+
+
+def transformers_forward(model) -> Forward:
+    return lambda ids, cache, keep, decoding: model(input_ids=ids, cache=cache, logits_to_keep=keep)
+
+
+def stage_forward(model) -> Forward:
+    """The lean forward as the last stage runs it: decoding rows alone (``exact_rows``: the row
+    attention kernel where it builds), the prefill by SDPA."""
+    lean, why = build_lean(model)
+    if lean is None:
+        raise SystemExit(f"no lean forward here: {why}")
+    return lambda ids, cache, keep, decoding: lean.forward(ids, cache, keep, rows_alone=decoding)
+
 
 @torch.inference_mode()
-def forward_ms(model, new_cache, context: torch.Tensor, k: int) -> float:
+def forward_ms(fn: Forward, new_cache, context: torch.Tensor, k: int) -> float:
     """One k-token forward after ``context`` (its prefill not timed)."""
     cache = new_cache()
-    model(input_ids=context, cache=cache, logits_to_keep=1)
+    fn(context, cache, 1, False)
     ids = torch.arange(100, 100 + k).view(1, k)  # [1, k]
     t0 = time.perf_counter()
-    model(input_ids=ids, cache=cache, logits_to_keep=k)
+    fn(ids, cache, k, True)
     return 1000 * (time.perf_counter() - t0)
 
 
@@ -60,9 +79,10 @@ def main() -> None:
     read = read_exact_blocks(blocks, args.isa)
     capacity = args.context + args.max_k + 1
     variants = {
-        "torch": (base, lambda: DynamicCache(config=base.config)),
-        "flat": (flat, lambda: preallocated_cache(flat.config, capacity)),
-        "blocks": (blocks, lambda: preallocated_cache(blocks.config, capacity)),
+        "torch": (transformers_forward(base), lambda: DynamicCache(config=base.config)),
+        "flat": (transformers_forward(flat), lambda: preallocated_cache(flat.config, capacity)),
+        "blocks": (transformers_forward(blocks), lambda: preallocated_cache(blocks.config, capacity)),
+        "stage": (stage_forward(blocks), lambda: preallocated_cache(blocks.config, capacity)),
     }
     context = torch.randint(0, 49000, (1, args.context), generator=torch.Generator().manual_seed(0))
     ks = list(range(1, args.max_k + 1))
