@@ -1,10 +1,11 @@
 """What a measurement depends on, and the cache that keeps measurements by it.
 
 Forward costs depend on the machine (CPU model and ISA, GPU, how many cores a rank gets, how many
-ranks share the node), the software (torch) and the models; agreement depends on the models and
-the prompts. Each kind is cached under a hash of exactly its own dependencies, so a second job on
-the same kind of node skips the cost measurement even for a new dataset, and a new machine
-re-measures costs but keeps the agreement of a prompt set it has seen.
+ranks share the node), the software (torch, this package's CPU kernels) and the models;
+agreement depends on the models and the prompts. Each kind is cached under a hash of exactly its
+own dependencies, so a second job on the same kind of node skips the cost measurement even for a
+new dataset, and a new machine re-measures costs but keeps the agreement of a prompt set it has
+seen.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ def gpu_identity() -> str | None:
 
 def machine(cores: int, ranks_on_node: int) -> dict[str, object]:
     """The machine as forward costs see it: CPU, ISA, GPU, the cores the node's ranks share and
-    how many ranks share them, torch's version."""
+    how many ranks share them, torch's version, and this package's CPU kernels (a kernel that
+    changes changes the costs: the row attention kernel made the target's steps 5-10% cheaper)."""
     import torch
+
+    from pipespec_mpi.models.flat_linear import kernels_digest
 
     return {
         **cpu_identity(),
@@ -56,6 +60,7 @@ def machine(cores: int, ranks_on_node: int) -> dict[str, object]:
         "cores": cores,
         "ranks_on_node": ranks_on_node,
         "torch": torch.__version__,
+        "kernels": kernels_digest(),
     }
 
 

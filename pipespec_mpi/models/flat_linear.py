@@ -24,6 +24,7 @@ The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cach
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import types
@@ -44,6 +45,13 @@ def kernel_source(name: str) -> str:
     so that torch's build cache (keyed on the source) sees an edit of either file."""
     src = (KERNELS / name).read_text()
     return src.replace('#include "simd.h"\n', (KERNELS / "simd.h").read_text().replace("#pragma once\n", ""))
+
+
+@functools.cache
+def kernels_digest() -> str:
+    """A short hash of every kernel source: what forward costs measured with them depend on."""
+    blob = b"".join(p.name.encode() + p.read_bytes() for p in sorted(KERNELS.iterdir()) if p.is_file())
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 _EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it failed to build

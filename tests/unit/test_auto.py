@@ -185,6 +185,31 @@ def test_the_cache_answers_only_for_what_it_was_measured_for(tmp_path):
     assert cache.get("costs", parts) is None
 
 
+def test_costs_measured_with_other_kernels_are_not_reused(tmp_path, monkeypatch):
+    from pipespec_mpi.auto import fingerprint
+    from pipespec_mpi.models import flat_linear
+
+    here = fingerprint.machine(2, 3)
+    assert here["kernels"] == flat_linear.kernels_digest()
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for src in flat_linear.KERNELS.iterdir():
+        (kernels / src.name).write_bytes(src.read_bytes())
+    monkeypatch.setattr(flat_linear, "KERNELS", kernels)
+    flat_linear.kernels_digest.cache_clear()
+    try:
+        assert flat_linear.kernels_digest() == here["kernels"]  # the same sources, the same key
+        flat_linear.kernels_digest.cache_clear()
+        (kernels / "attention.cpp").write_text((kernels / "attention.cpp").read_text() + "// edited\n")
+        other = fingerprint.machine(2, 3)
+    finally:
+        flat_linear.kernels_digest.cache_clear()
+    assert other["kernels"] != here["kernels"]
+    cache = MeasurementCache(tmp_path / "cache")
+    cache.put("costs", {"machine": here}, {"x": 1})
+    assert cache.get("costs", {"machine": other}) is None
+
+
 def test_calibration_prompts_are_the_jobs_first_or_a_given_file(tmp_path):
     from pipespec_mpi.auto.calibrate import calibration_prompts
     from pipespec_mpi.data.datasets import DatasetError
