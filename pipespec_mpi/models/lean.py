@@ -24,6 +24,10 @@ is 8.1 -> 4.9 ms (1 token) and 12.0 -> 9.0 ms (9 tokens); of that, the SDPA kern
 paths call identically over K/V the weight stream has evicted from cache, takes ~2.5 and ~5.8
 ms, so the framework's own share went from ~5.6 to 2.3 ms and from ~6.2 to 3.3 ms.
 
+``rows_alone`` (a stage's ``exact_rows``) departs from transformers on purpose: every decoding
+row's attention computed alone (the row attention kernel, models/attention.py), so that a row's
+logits do not depend on the rows beside it.
+
 Anything the loop does not reproduce (another architecture, rope types that rescale with the
 sequence length, hooks, another attention implementation, a non-CPU device) makes ``build_lean``
 return None with the reason, and the caller keeps the transformers forward.
