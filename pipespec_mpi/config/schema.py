@@ -93,11 +93,11 @@ class StageConfig:
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
     exact_blocks: bool = True  # flat_linear: a layer whose weights are exactly Q4_1/Q8_0 blocks (a
     # GGUF dequantised, as the embedded SmolLM2) reads the blocks: bitwise the same, fewer bytes
-    exact_rows: bool | None = None  # lean forward: each row of a verification attends as a forward
-    # of its token alone would, so greedy output is bitwise AR's (models/attention.py: the row
-    # kernel, else one SDPA call per row); None: on for the last stage (its tokens are the output)
-    # and for drafters where the row kernel builds (there it is also the cheaper attention);
-    # only where the stage runs the flat kernel (CPU float32), whose linears are row-independent
+    exact_rows: bool | None = None  # lean forward: each row of a decoding forward attends as a
+    # forward of its token alone would, so greedy output is bitwise AR's (models/attention.py: the
+    # row kernel, else one SDPA call per row); None: on for the last stage (its tokens are the
+    # output) and for drafters where the row kernel builds (there it is also the cheaper
+    # attention); off where neither the row kernel nor the flat kernel (row-independent linears) runs
     ngram: int = 3
     max_proposal: int = 8  # prompt_lookup, suffix: most tokens per proposal
     max_match: int = 16  # suffix: longest suffix matched

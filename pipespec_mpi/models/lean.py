@@ -393,13 +393,14 @@ class LeanLlama:
             q, k, v = lay.qkv_heads(x, fused, (1, rows, -1, hd), head_split)
             q = _rotate(q, cos, sin_s)
             k = _rotate(k, cos, sin_s)
-            outs, kvs = [], []
+            outs, ks, vs = [], [], []
             for b, cache in enumerate(caches):
                 lo, hi = bounds[b], bounds[b + 1]
                 kb, vb = cache.layers[lay.idx].update(k[:, :, lo:hi], v[:, :, lo:hi])
                 n = hi - lo
                 if kernel is not None:
-                    kvs.append((kb, vb))
+                    ks.append(kb)
+                    vs.append(vb)
                     continue
                 if rows_alone and n > 1:
                     a = attend_rows_alone(sdpa, q[:, :, lo:hi], kb, vb, scaling, gqa)
@@ -412,7 +413,7 @@ class LeanLlama:
                          is_causal=causal, **gqa)  # fmt: skip
                 outs.append(a.transpose(1, 2).reshape(1, n, -1))
             if kernel is not None:
-                a = kernel(q, [kv[0] for kv in kvs], [kv[1] for kv in kvs], bounds, scaling)
+                a = kernel(q, ks, vs, bounds, scaling)
             else:
                 a = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0].contiguous()
             h = residual + lay.o(a)

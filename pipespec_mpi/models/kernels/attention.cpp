@@ -20,24 +20,12 @@
 #include <vector>
 
 #if defined(__AVX512F__)
-static inline vec vset1(float a) { return _mm512_set1_ps(a); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-static inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
-static inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
 static inline float hmax(vec v) { return _mm512_reduce_max_ps(v); }
 // lanes [0, n) of a, the others zero
 static inline vec vfirst(vec a, int n) { return _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1u), a); }
 static inline vec vpow2i(vec n) { return _mm512_scalef_ps(vset1(1.0f), n); }
 static inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 #else
-static inline vec vset1(float a) { return _mm256_set1_ps(a); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-static inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
-static inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
 static inline float hmax(vec v) {
   float t[8];
   _mm256_storeu_ps(t, v);

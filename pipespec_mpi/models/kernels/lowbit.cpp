@@ -19,9 +19,6 @@ static inline vec cvt_nibbles(const uint8_t* p, bool high) {
   i = high ? _mm512_srli_epi32(i, 4) : _mm512_and_si512(i, _mm512_set1_epi32(15));
   return _mm512_cvtepi32_ps(i);
 }
-static inline vec vset1(float f) { return _mm512_set1_ps(f); }
-static inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 #else
 static inline vec cvt_u16_to_f32_hi(const uint16_t* p) {
   __m256i i = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
@@ -35,9 +32,6 @@ static inline vec cvt_nibbles(const uint8_t* p, bool high) {
   i = high ? _mm256_srli_epi32(i, 4) : _mm256_and_si256(i, _mm256_set1_epi32(15));
   return _mm256_cvtepi32_ps(i);
 }
-static inline vec vset1(float f) { return _mm256_set1_ps(f); }
-static inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 #endif
 
 #ifndef AHEAD_BYTES
