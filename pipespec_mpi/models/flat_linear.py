@@ -49,8 +49,10 @@ def kernel_source(name: str) -> str:
 
 @functools.cache
 def kernels_digest() -> str:
-    """A short hash of every kernel source: what forward costs measured with them depend on."""
+    """A short hash of every kernel source and the build flags: what forward costs measured with
+    them depend on."""
     blob = b"".join(p.name.encode() + p.read_bytes() for p in sorted(KERNELS.iterdir()) if p.is_file())
+    blob += repr((_ISA_FLAGS, _OPENMP_FLAGS)).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -78,6 +80,12 @@ def cpu_isa() -> str | None:
 
 
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+# at::parallel_for splits a kernel's work over the rank's torch threads only where the kernel is
+# compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel ran
+# on one thread whatever `run.threads` said (the target's one-token step 18.2 ms on one thread,
+# 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp, the extension uses the
+# libgomp.so.1 torch has already loaded (same soname).
+_OPENMP_FLAGS = ["-fopenmp"]
 
 
 def supported_isas() -> list[str]:
@@ -102,7 +110,8 @@ def build(name: str, source: str, functions: list[str], isa: str | None, cflags:
                 name=key,
                 cpp_sources=[source],
                 functions=functions,
-                extra_cflags=["-O3", *_ISA_FLAGS[isa], *cflags],
+                extra_cflags=["-O3", *_ISA_FLAGS[isa], *_OPENMP_FLAGS, *cflags],
+                extra_ldflags=_OPENMP_FLAGS,
                 verbose=False,
             )
         except Exception as err:  # noqa: BLE001 - the caller falls back to torch
@@ -114,7 +123,7 @@ def build(name: str, source: str, functions: list[str], isa: str | None, cflags:
 def extension(isa: str | None = None):
     """The compiled float32 kernel for ``isa`` (default: the widest this CPU has), or None."""
     source = kernel_source("flat_linear.cpp")
-    return build("pipespec_flat_linear_v3", source, ["small_m_linear", "lanes"], isa)
+    return build("pipespec_flat_linear_v3", source, ["small_m_linear", "lanes", "parallel_threads"], isa)
 
 
 class Blocks(NamedTuple):

@@ -1,5 +1,7 @@
 #include "simd.h"
 
+#include <atomic>
+
 // Output rows [n0, n1) for G rows of x, two weight rows per pass: each weight vector is loaded
 // once for the G rows (the two rows, a few KB, stay in L1 for the next group). Every output
 // Y[m, n] is the same dot product accumulated in the same order (LANES partial sums over k, then
@@ -94,3 +96,13 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w) {
 }
 
 int64_t lanes() { return LANES; }
+
+// How many threads at::parallel_for gives ``tasks`` tasks here: 1 in a build without OpenMP
+// (its pragmas ignored), up to torch.get_num_threads() with it. Checks the build, not the math.
+int64_t parallel_threads(int64_t tasks) {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(int64_t{1} << (at::get_thread_num() & 63));
+  });
+  return __builtin_popcountll(static_cast<uint64_t>(seen.load()));
+}
