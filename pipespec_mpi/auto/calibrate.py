@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipespec_mpi.auto import fingerprint
 from pipespec_mpi.auto.measure import Agreement, CostCheck, StageCost, Workers, measure_costs, within
-from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, stage_shares
+from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, light_positions, stage_shares
 from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
 from pipespec_mpi.topology import CpuShare, binds
 
@@ -134,18 +134,24 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     a, hier = cfg.auto, cfg.hierarchy
     max_k = min(a.max_stages, node.ranks_per_replica)
     pipelines = candidates(hier.stages, max_k)
-    ks = sorted({len(p) for p in pipelines})
     bind = binds(cfg.run.cpu_bind, 1)  # the costs are of batch-1 forwards
-    shares = {k: stage_shares(k, a.replicas, node.cpus, node.ranks_on_node, node.bound, bind) for k in ks}
-    threads = {k: shares[k][-1].threads for k in ks}
+    kinds = [s.kind for s in hier.stages]
+    shares = {
+        p: stage_shares(len(p), a.replicas, node.cpus, node.ranks_on_node, node.bound, bind, light)
+        for p, light in ((p, light_positions(kinds, p)) for p in pipelines)
+    }
+    threads: dict[int, int] = {}  # a model rank's threads, by the pipeline's model stages
+    for p, sh in shares.items():
+        threads.setdefault(len(p) - len(light_positions(kinds, p)), sh[-1].threads)
+    alone = (hier.n_stages - 1,)  # AR: the target alone
     calib = [list(p) for p in prompts[: a.calibration_prompts]]
     stages = fingerprint.stage_identity(hier.stages)
     cost_for = {
-        "format": 3,  # prefill timed too; what a sequence adds to a batched forward
+        "format": 4,  # prefill timed too; what a sequence adds to a batched forward; model-free shares
         "machine": fingerprint.machine(node.cores, node.ranks_on_node),
         "stages": stages,
         "threads": threads,
-        "cpus": {k: [sh.cpus for sh in v] for k, v in shares.items()},  # where bound (run.cpu_bind)
+        "cpus": {"+".join(map(str, p)): [sh.cpus for sh in v] for p, v in shares.items()},  # where bound
         "pipelines": [list(p) for p in pipelines],
         "token_counts": list(a.token_counts),
         "repeats": a.repeats,
@@ -164,7 +170,7 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     spot = check = None
     if costs is not None:
         t = time.perf_counter()
-        spot = spot_check(hier, costs, shares[1][0], calib[0], a.repeats, a.stale_factor)
+        spot = spot_check(hier, costs, shares[alone][0], calib[0], a.repeats, a.stale_factor)
         phases["spot_check_s"] = time.perf_counter() - t
         if spot is not None and not spot.agrees:
             log.warning(
@@ -181,7 +187,8 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
             phases["start_s"] = time.perf_counter() - t
             if agree is None:
                 t = time.perf_counter()
-                agree = workers.agreement(calib, a.calibration_tokens, eos, threads[min(ks)]).to_json()
+                ag = workers.agreement(calib, a.calibration_tokens, eos, shares[alone][0].threads)
+                agree = ag.to_json()
                 cache.put("agreement", agree_for, agree)
                 phases["agreement_s"] = time.perf_counter() - t
             if costs is None:

@@ -241,13 +241,13 @@ def within(a: float, b: float, factor: float) -> bool:
 def measure_costs(
     workers: Workers,
     pipelines: Sequence[Sequence[int]],
-    shares_of: Mapping[int, Sequence[CpuShare]],
+    shares_of: Mapping[Pipeline, Sequence[CpuShare]],
     context: Sequence[int],
     token_counts: Sequence[int],
     repeats: int,
     factor: float = 1.5,
 ) -> tuple[dict[Pipeline, list[StageCost]], CostCheck]:
-    """Costs of every stage of every candidate pipeline (threads and CPUs by pipeline length),
+    """Costs of every stage of every candidate pipeline (each with its ranks' threads and CPUs),
     shortest pipelines first, and the pipelines whose timing of the target disagreed with the
     rest (``disagreeing``) timed once more. A drafter whose one-token step beside the target is
     at least the target's own can never run ahead of it: pipelines with more stages that
@@ -256,7 +256,7 @@ def measure_costs(
     too_slow: set[int] = set()
 
     def timed(p: Pipeline) -> list[StageCost]:
-        return workers.costs(p, shares_of[len(p)], context, token_counts, repeats)
+        return workers.costs(p, shares_of[p], context, token_counts, repeats)
 
     for p in sorted((tuple(p) for p in pipelines), key=len):
         if len(p) > 2 and too_slow & set(p):

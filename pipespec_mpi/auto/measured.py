@@ -5,7 +5,8 @@ proposed, read as agreement rates and lookup traces. The plan made from it: plan
 
 Notation (per candidate pipeline P = (s_0, ..., s_{k-1} = target) of the hierarchy's stages):
   cost_P[s](n)   measured seconds of stage s's forward over n new tokens while P's other stages
-                 run beside it, each rank with threads(k) threads on the CPUs the job binds
+                 run beside it, each model rank with threads(m) threads (m: P's model stages;
+                 a model-free drafter leaves its core share to them) on the CPUs the job binds
                  it to (``stage_shares``)
   a(x -> y)      agreement: over the positions of the target's greedy paths where x proposes,
                  the fraction where x's token equals y's (y = target: the path's own token)
@@ -48,19 +49,30 @@ def candidates(stages: Sequence[StageConfig], max_stages: int) -> list[Pipeline]
 
 
 def stage_shares(
-    k: int, replicas: int, cpus: Sequence[int], ranks_on_node: int, bound: bool, bind: bool = False
+    k: int,
+    replicas: int,
+    cpus: Sequence[int],
+    ranks_on_node: int,
+    bound: bool,
+    bind: bool = False,
+    light: frozenset[int] = frozenset(),
 ) -> tuple[CpuShare, ...]:
-    """The threads of the first replica's stages when k-stage pipelines run, and with ``bind``
-    (the phase binds: ``topology.binds``) their CPUs, as the job gives them
-    (``topology.share_cpus``: the job's ranks fill nodes of ``ranks_on_node`` in rank order,
-    every one seeing ``cpus``), or, when the launcher binds each rank to its own cores
-    (``bound``), all of those."""
+    """The threads of the first replica's stages when k-stage pipelines run (``light``: the
+    positions of model-free stages), and with ``bind`` (the phase binds: ``topology.binds``)
+    their CPUs, as the job gives them (``topology.share_cpus``: the job's ranks fill nodes of
+    ``ranks_on_node`` in rank order, every one seeing ``cpus``), or, when the launcher binds
+    each rank to its own cores (``bound``), all of those."""
     if bound:
         return (CpuShare(len(cpus)),) * k
     hosts = [f"node{r // ranks_on_node}" for r in range(k * replicas)]
     seen = [frozenset(cpus)] * len(hosts)
-    shares = (share_cpus(s, hosts, seen, k) for s in range(k))
+    shares = (share_cpus(s, hosts, seen, k, light=light) for s in range(k))
     return tuple(sh if bind else CpuShare(sh.threads) for sh in shares)
+
+
+def light_positions(kinds: Sequence[str], pipeline: Sequence[int]) -> frozenset[int]:
+    """The positions in ``pipeline`` of its model-free stages: they take no share of the cores."""
+    return frozenset(j for j, i in enumerate(pipeline) if kinds[i] in DRAFTER_KINDS)
 
 
 def agreement_rate(ag: Agreement, drafter: int, verifier: int) -> float | None:
@@ -135,7 +147,7 @@ class Measured:
     kinds: tuple[str, ...]
     max_proposal: tuple[int, ...]
     costs: Mapping[Pipeline, Sequence[StageCost]]  # P -> per stage of P
-    threads: Mapping[int, int]  # k -> threads per rank
+    threads: Mapping[int, int]  # model stages of a pipeline -> threads per model rank
     agreement: Agreement
 
     def to_json(self) -> dict:

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import replace
 
-from pipespec_mpi.config import AppConfig, HierarchyConfig, StageConfig
+from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, HierarchyConfig, StageConfig
 from pipespec_mpi.plan.options import Option, Plan
 from pipespec_mpi.plan.sources import PlanInputs, hierarchy_presets, stage_defs_of
 
@@ -39,8 +39,11 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     if cfg.run.mode == "benchmark" and plan.best_speculative is not None:
         opt = plan.best_speculative
     h = cfg.hierarchy
-    threads = None if bound else plan.threads.get(len(opt.pipeline))
-    stages = [replace(st, threads=st.threads or threads) for st in select_stages(h.stages, opt.pipeline)]
+    chosen = select_stages(h.stages, opt.pipeline)
+    threads = None if bound else plan.threads.get(sum(st.kind not in DRAFTER_KINDS for st in chosen))
+    stages = [
+        replace(st, threads=st.threads or (None if st.kind in DRAFTER_KINDS else threads)) for st in chosen
+    ]
     hier = HierarchyConfig(
         name=f"{h.name}[{'+'.join(opt.pipeline)}]", stages=tuple(stages), tokenizer=h.tokenizer,
         tiny=h.tiny, choose=False,

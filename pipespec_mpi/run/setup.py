@@ -19,7 +19,7 @@ from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.comm.wire import slot_tag
-from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError
+from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
 from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.run import rows
@@ -86,13 +86,15 @@ class CpuPlacement:
             self.current = want
 
 
-def place_cpus(world: World, n_stages: int, mode: str, threads: int | None) -> CpuPlacement:
+def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:
     """This rank's share of its node (``topology.share_cpus``, from every rank's CPU affinity:
-    collective over ``world.comm``), its torch threads set."""
+    collective over ``world.comm``; model-free stages count as light), its torch threads set."""
     import torch
 
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
-    share = share_cpus(world.rank, world.hosts, affinities, n_stages, threads)
+    light = frozenset(i for i, st in enumerate(hier.stages) if st.kind in DRAFTER_KINDS)
+    threads = hier.stages[stage].threads
+    share = share_cpus(world.rank, world.hosts, affinities, hier.n_stages, threads, light)
     torch.set_num_threads(share.threads)
     return CpuPlacement(share, mode)
 
@@ -127,7 +129,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
-    cpus = place_cpus(world, pl.n_stages, cfg.run.cpu_bind, stage_cfg.threads)
+    cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind)
     transport = resolve_transport(cfg.transport.kind)
     cuda_devices = device_for(
         [s.n_gpus for s in cfg.hierarchy.stages], pl.stage, world.local_rank, torch.cuda.device_count()

@@ -59,6 +59,13 @@ def test_threads_split_the_node_among_the_ranks_that_run(k, replicas, cores, ran
     assert len(got) == k and {s.threads for s in got} == {want}
 
 
+def test_a_model_free_stage_leaves_its_core_share_to_the_model_stages():
+    # suffix -> target on 2 cores: the target gets both, as AR does (the job's share_cpus)
+    assert [s.threads for s in stage_shares(2, 1, (0, 1), 2, False, light=frozenset({0}))] == [1, 2]
+    assert [s.threads for s in stage_shares(3, 1, range(4), 3, False, light=frozenset({0}))] == [1, 2, 2]
+    assert [s.threads for s in stage_shares(2, 1, range(4), 3, False)] == [2, 2]  # two model stages
+
+
 def test_a_pipeline_is_measured_on_the_cpus_its_ranks_are_bound_to():
     # three stages on two CPUs: the target alone on the last, as share_cpus binds the job's ranks
     assert [s.cpus for s in stage_shares(3, 1, (0, 1), 3, False, bind=True)] == [(0,), (0,), (1,)]
@@ -167,6 +174,10 @@ def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
     assert [s.threads for s in run.hierarchy.stages] == [1, 1]
     assert run.method == plan.chosen.method
     assert realize(cfg, plan, bound=True).hierarchy.stages[0].threads is None
+    # a model-free drafter's pipeline: the target runs with one model stage's threads (AR's)
+    suffix = replace(plan.chosen, pipeline=("suffix", "smollm2-135m"))
+    run = realize(cfg, replace(plan, chosen=suffix, best_speculative=suffix), bound=False)
+    assert [(s.name, s.threads) for s in run.hierarchy.stages] == [("suffix", None), ("smollm2-135m", 2)]
 
 
 def test_measurements_round_trip_through_json():
@@ -322,7 +333,7 @@ def test_a_disturbed_pipeline_timing_is_timed_again():
             return [StageCost(((1, 0.001),))] * (len(p) - 1) + [StageCost(((1, ms / 1e3),))]
 
     ps = [(3,), (0, 3), (1, 3), (2, 3)]
-    shares = {1: (CpuShare(2),), 2: (CpuShare(1),) * 2}
+    shares = {(3,): (CpuShare(2),), **{p: (CpuShare(1),) * 2 for p in ps[1:]}}
     calm = {(3,): 34.0, (0, 3): 38.0, (1, 3): 50.0, (2, 3): 57.0}
     w = Timings({**calm, (1, 3): 600.0}, calm)
     got, check = measure_costs(w, ps, shares, [1, 2], (1,), 3, factor=1.5)

@@ -34,9 +34,9 @@ def test_devices_follow_stage_gpu_counts():
     assert device_for([1], 0, 0, 0) == []
 
 
-def shares(hosts, affinities, n_stages, threads=None):
+def shares(hosts, affinities, n_stages, threads=None, light=frozenset()):
     aff = [frozenset(a) for a in affinities]
-    return [share_cpus(r, hosts, aff, n_stages, threads) for r in range(len(hosts))]
+    return [share_cpus(r, hosts, aff, n_stages, threads, light) for r in range(len(hosts))]
 
 
 def test_a_pipeline_on_fewer_cpus_than_ranks_gives_its_last_stage_a_cpu_of_its_own():
@@ -59,6 +59,23 @@ def test_nobody_is_bound_where_the_cpus_suffice_or_are_too_few_for_a_spare():
     assert shares(["a"] * 6, [{0, 1}] * 6, 3) == [CpuShare(1)] * 6
     # one-stage pipelines (AR): every rank is a last stage
     assert shares(["a"] * 3, [{0, 1}] * 3, 1) == [CpuShare(1)] * 3
+
+
+def test_a_model_free_stage_leaves_the_cores_to_the_model_stages():
+    # suffix -> target on 2 cores: the target computes on both, the drafter gets one thread
+    assert shares(["a"] * 2, [{0, 1}] * 2, 2, light=frozenset({0})) == [CpuShare(1), CpuShare(2)]
+    # suffix -> copy -> target on 4 cores: 2 each for the model stages (an even split gave 1)
+    assert shares(["a"] * 3, [range(4)] * 3, 3) == [CpuShare(1)] * 3
+    got = shares(["a"] * 3, [range(4)] * 3, 3, light=frozenset({0}))
+    assert got == [CpuShare(1), CpuShare(2), CpuShare(2)]
+    # two replicas of suffix -> target on 8 cores: 4 for each target
+    got = shares(["a"] * 4, [range(8)] * 4, 2, light=frozenset({0}))
+    assert got == [CpuShare(1), CpuShare(4), CpuShare(1), CpuShare(4)]
+    # outnumbered CPUs still bind the last stage apart, a light stage beside the others
+    got = shares(["a"] * 3, [{0, 1}] * 3, 3, light=frozenset({0}))
+    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,))]
+    # a stage's own threads setting still decides the count
+    assert shares(["a"] * 2, [{0, 1}] * 2, 2, threads=3, light=frozenset({0})) == [CpuShare(3)] * 2
 
 
 def test_batched_phases_bind_under_auto_and_batch_1_does_not():
