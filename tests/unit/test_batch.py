@@ -125,5 +125,34 @@ def test_the_real_tiny_models_batched_stay_lossless_under_adversarial_schedules(
         assert sum(p.rows - p.batches for p in world.procs) > 0
 
 
+def test_a_batched_stage_gives_out_only_the_rows_that_pay():
+    """Adaptive: until its forwards showed what a row costs, the slots share the row budget by
+    survival alone; then a position is verified only where its survival pays for its row
+    (``goodput.row_threshold``), and a slot left with none steps alone, its proposal kept."""
+    from types import SimpleNamespace
+
+    from pipespec_mpi.speculative.goodput import Estimates
+    from pipespec_mpi.speculative.policy import Act
+    from pipespec_mpi.stage.loop import Forward
+
+    cfg = DecodeConfig(policy="adaptive", batch_verify_rows=16)
+
+    def slot(accept: float) -> SimpleNamespace:
+        loop = SimpleNamespace(est=Estimates(accept, 0.1), cfg=cfg, stats=SimpleNamespace(verify_cut=0))
+        return SimpleNamespace(loop=loop)
+
+    good, poor, worse = slot(0.9), slot(0.5), slot(0.2)
+    stage = BatchedStage([good, poor, worse], clock=SimpleNamespace(now=lambda: 0.0))
+    asked = [(sl, Forward(Act.VERIFY, [1, 2], [5, 6, 7, 8])) for sl in (good, poor, worse)]
+    assert [len(f.proposal) for _, f in stage._allot(asked)] == [4, 4, 4]  # 15 rows: within 16
+    for n in range(1, 15):  # 12 ms + 3 ms a row
+        stage.row_cost.observe(n, 0.012 + 0.003 * n)
+    # three slots: a token is worth 4 + 3 ms, so a row pays from a survival of 3/7
+    got = stage._allot(asked)
+    assert [(f.act, len(f.proposal)) for _, f in got] == [(Act.VERIFY, 4), (Act.VERIFY, 1), (Act.OWN, 0)]
+    assert [sl.loop.stats.verify_cut for sl in (good, poor, worse)] == [0, 1, 1]
+    assert [len(f.proposal) for _, f in asked] == [4, 4, 4]  # the slots' own forwards untouched
+
+
 def test_explore_names_the_batch_families():
     assert len(BATCH) == 6 and explore("pipespec-greedy-batch", 1).ok

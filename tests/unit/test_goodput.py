@@ -10,10 +10,12 @@ from pipespec_mpi.config import DecodeConfig, validate_decode
 from pipespec_mpi.speculative.goodput import (
     MAX_POSITIONS,
     Estimates,
+    RowCost,
     allot_rows,
     choose,
     draft_reach,
     expected_committed,
+    row_threshold,
     survivals,
     verify_length,
 )
@@ -254,3 +256,34 @@ def test_a_batched_forward_shares_its_rows_by_survival():
     assert allot_rows([good, poor, []], 3) == [0, 0, 0]  # no extra row: every slot steps alone
     assert allot_rows([[], good], 4) == [0, 2]  # a slot with no proposal takes only its row
     assert sum(allot_rows([good, poor, good], 9)) == 6
+
+
+def test_rows_that_do_not_pay_are_not_given_out():
+    good, poor = survivals([0.9] * 8, 6), survivals([0.3] * 8, 6)
+    assert allot_rows([good, poor], 100, threshold=0.5) == [6, 0]  # 0.9^6 = 0.53; 0.3 < 0.5
+    assert allot_rows([good, poor], 100, threshold=0.6) == [4, 0]  # 0.9^5 = 0.59 < 0.6
+    assert allot_rows([good, poor], 100, threshold=0.95) == [0, 0]  # every slot steps alone
+    assert allot_rows([good, poor], 5, threshold=0.5) == [3, 0]  # and still within the budget
+
+
+def test_row_cost_fits_the_line_of_a_batched_forwards_rows():
+    rc = RowCost(rate=0.05)
+    assert rc.line() is None
+    for _ in range(30):  # every forward four rows wide: no slope to see
+        rc.observe(4, 0.022)
+    assert rc.line() is None and row_threshold(rc.line(), 4) == 0.0
+    rng = random.Random(0)
+    for _ in range(200):  # 12 ms + 3 ms a row, with noise
+        n = rng.randint(1, 14)
+        rc.observe(n, 0.012 + 0.003 * n + rng.uniform(-5e-4, 5e-4))
+    alpha, beta = rc.line()
+    assert alpha == pytest.approx(0.012, abs=1.5e-3) and beta == pytest.approx(0.003, abs=2e-4)
+    # four slots: a token is worth 3 + 3 ms, a row costs 3: half a chance of surviving pays
+    assert row_threshold((0.012, 0.003), 4) == pytest.approx(0.5)
+    assert row_threshold((0.012, 0.003), 1) == pytest.approx(0.2)  # one slot: the whole forward
+    assert row_threshold((0.04, 0.0), 4) == 0.0  # flat (a memory-bound GPU): every row pays
+    # the line follows a node that got slower per row
+    for _ in range(200):
+        n = rng.randint(1, 14)
+        rc.observe(n, 0.012 + 0.006 * n)
+    assert rc.line()[1] == pytest.approx(0.006, abs=3e-4)
