@@ -9,7 +9,7 @@ from collections import deque
 from typing import Protocol
 
 from pipespec_mpi.simulate.explore.scenarios import ExJob, Scenario
-from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates
+from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost
 from pipespec_mpi.stage.ports import Header, Proposal
 from pipespec_mpi.stage.stats import StageOutcome
 
@@ -71,6 +71,20 @@ class ChaosEstimates(Estimates):
     @survival.setter
     def survival(self, value: list[float]) -> None:
         pass
+
+
+class ChaosRowCost(RowCost):
+    """A batched stage's row costs that read as anything at every forward (seeded): its slots'
+    verifications are then cut to any length, none included, in any order."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
+
+    def line(self) -> tuple[float, float] | None:
+        if self.rng.random() < 0.2:
+            return None
+        return self.rng.choice((0.0, 1e-3, 1.0)), self.rng.choice((0.0, 1e-3, 0.1, 1.0, 100.0))
 
 
 class DriftClock:

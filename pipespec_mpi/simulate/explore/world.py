@@ -9,6 +9,7 @@ from collections import deque
 from pipespec_mpi.models.suffix import SuffixDrafter
 from pipespec_mpi.simulate.explore.ports import (
     ChaosEstimates,
+    ChaosRowCost,
     DriftClock,
     ExDeal,
     ExGate,
@@ -139,7 +140,10 @@ class World:
                     p.loop.est = ChaosEstimates(
                         random.Random(f"chaos:{sc.family}:{sc.seed}:{p.loop.role.rank}")
                     )
-            self.procs.append(slots[0] if b == 1 else BatchedStage(slots, clock, self.parts.score))
+            stage = slots[0] if b == 1 else BatchedStage(slots, clock, self.parts.score)
+            if sc.chaos and isinstance(stage, BatchedStage):
+                stage.row_cost = ChaosRowCost(random.Random(f"rows:{sc.family}:{sc.seed}:{i}"))
+            self.procs.append(stage)
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)
 
