@@ -79,13 +79,13 @@ def cpu_isa() -> str | None:
     return None
 
 
-_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"]}
+_ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512vl", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 # at::parallel_for splits a kernel's work over the rank's torch threads only where the kernel is
 # compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel ran
 # on one thread whatever `run.threads` said (the target's one-token step 18.2 ms on one thread,
 # 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp, the extension uses the
 # libgomp.so.1 torch has already loaded (same soname).
-_OPENMP_FLAGS = ["-fopenmp"]
+_OPENMP_FLAGS = ("-fopenmp",)  # a tuple: torch appends its own -L/-l flags to the list it is given
 
 
 def supported_isas() -> list[str]:
@@ -111,7 +111,7 @@ def build(name: str, source: str, functions: list[str], isa: str | None, cflags:
                 cpp_sources=[source],
                 functions=functions,
                 extra_cflags=["-O3", *_ISA_FLAGS[isa], *_OPENMP_FLAGS, *cflags],
-                extra_ldflags=_OPENMP_FLAGS,
+                extra_ldflags=list(_OPENMP_FLAGS),  # a fresh list: torch extends it in place
                 verbose=False,
             )
         except Exception as err:  # noqa: BLE001 - the caller falls back to torch

@@ -100,3 +100,33 @@ def test_lean_forward_bitwise_whatever_the_threads(threads):
     for t in THREADS:
         for i, (a, b) in enumerate(zip(one, threads(t, run), strict=True)):
             assert torch.equal(a, b), (t, i)
+
+
+def test_a_build_leaves_the_next_builds_flags_alone(monkeypatch):
+    """torch's load_inline extends the ldflags list it is given in place; were that list shared,
+    every later kernel of the process would be built with torch's -L/-l flags among its cflags,
+    a different command than the same kernel built first in another process, so ranks that
+    build in different orders rebuilt each other's kernels at every start (stages loaded in
+    30-250 s instead of 2-4)."""
+    import torch.utils.cpp_extension as cpp
+
+    seen = []
+
+    def fake_load_inline(name, cpp_sources, functions, extra_cflags, extra_ldflags, verbose):
+        seen.append((list(extra_cflags), list(extra_ldflags)))
+        extra_ldflags += ["-L/torch/lib", "-lc10"]  # as torch's _prepare_ldflags does
+        return object()
+
+    isas = flat_linear.supported_isas()
+    if not isas:
+        pytest.skip("no vector ISA for the kernels")
+    monkeypatch.setenv("PIPESPEC_FLAT_LINEAR", "1")
+    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    monkeypatch.setattr(flat_linear, "_EXT", {})
+    digest = flat_linear.kernels_digest()
+    flat_linear.kernels_digest.cache_clear()
+    for name in ("first", "second"):
+        flat_linear.build(name, "", [], isas[0])
+    assert len(seen) == 2
+    assert seen[0] == seen[1] and not any(f.startswith(("-L", "-l")) for f in seen[1][0])
+    assert flat_linear.kernels_digest() == digest
