@@ -94,6 +94,7 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     leaves together, with the job's exit code."""
     from pipespec_mpi.plan import job as plan_job
     from pipespec_mpi.plan.record import write_plan
+    from pipespec_mpi.stage.wait import sleep_at_barrier
 
     job = plan_job.resolve(cfg, world)
     if world.rank == 0:
@@ -105,7 +106,7 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
         if job.world.rank == 0:
             plan_job.add_measured(run_dir, job.record, cfg.auto.off_factor)
         job.world.comm.Free()
-    plan_job.sleep_at_barrier(world.comm)  # with the spare ranks
+    sleep_at_barrier(world.comm)  # with the spare ranks
     from mpi4py import MPI
 
     return world.comm.allreduce(code, op=MPI.MAX)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
 from pipespec_mpi.records import SUMMARY, find_entry, group_key, read_summary
+from pipespec_mpi.stage.wait import sleep_at_barrier
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -160,13 +160,3 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     record = dataclasses.replace(record, **kw)
     write_plan(run_dir, record)
     return record
-
-
-def sleep_at_barrier(comm) -> None:
-    """A barrier waited for by sleeping, without a deadline: while rank 0 measures (a spinning
-    rank would take a core from the measurement: a calibration with two ranks spinning in
-    MPICH's bcast took 133 s instead of 37, and timed the target's step at 263 ms instead of
-    34), and on a spare rank until the job ends (hours, maybe)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.05)

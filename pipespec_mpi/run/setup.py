@@ -26,7 +26,7 @@ from pipespec_mpi.run import rows
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
-from pipespec_mpi.stage.wait import wait_until
+from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
 from pipespec_mpi.topology import CpuShare, Placement, binds, device_for, share_cpus
 
 log = logging.getLogger("pipespec_mpi")
@@ -151,6 +151,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
             "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
             *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),
         )
+        sleep_at_barrier(comm)  # the stages load for seconds to minutes; MPICH's collectives spin
         context = smallest_context(cfg, pl, comm, model)
 
     with watchdog.phase("rows"):
