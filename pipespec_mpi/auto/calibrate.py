@@ -135,14 +135,14 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
     max_k = min(a.max_stages, node.ranks_per_replica)
     pipelines = candidates(hier.stages, max_k)
     bind = binds(cfg.run.cpu_bind, 1)  # the costs are of batch-1 forwards
-    kinds = [s.kind for s in hier.stages]
+    light = {p: light_positions(hier.model_free, p) for p in pipelines}
     shares = {
-        p: stage_shares(len(p), a.replicas, node.cpus, node.ranks_on_node, node.bound, bind, light)
-        for p, light in ((p, light_positions(kinds, p)) for p in pipelines)
+        p: stage_shares(len(p), a.replicas, node.cpus, node.ranks_on_node, node.bound, bind, light[p])
+        for p in pipelines
     }
     threads: dict[int, int] = {}  # a model rank's threads, by the pipeline's model stages
     for p, sh in shares.items():
-        threads.setdefault(len(p) - len(light_positions(kinds, p)), sh[-1].threads)
+        threads.setdefault(len(p) - len(light[p]), sh[-1].threads)
     alone = (hier.n_stages - 1,)  # AR: the target alone
     calib = [list(p) for p in prompts[: a.calibration_prompts]]
     stages = fingerprint.stage_identity(hier.stages)

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig
+from pipespec_mpi.config import HierarchyConfig
 from pipespec_mpi.topology import CpuShare
 
 
@@ -264,7 +264,7 @@ def measure_costs(
         out[p] = timed(p)
         if len(p) == 2 and out[p][0].one_token_s >= out[p][1].one_token_s:
             too_slow.add(p[0])
-    model_free = frozenset(i for i, st in enumerate(workers.hier.stages) if st.kind in DRAFTER_KINDS)
+    model_free = workers.hier.model_free
     again = disagreeing(out, factor, model_free)
     for p in again:
         out[p] = timed(p)

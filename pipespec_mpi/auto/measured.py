@@ -70,9 +70,10 @@ def stage_shares(
     return tuple(sh if bind else CpuShare(sh.threads) for sh in shares)
 
 
-def light_positions(kinds: Sequence[str], pipeline: Sequence[int]) -> frozenset[int]:
-    """The positions in ``pipeline`` of its model-free stages: they take no share of the cores."""
-    return frozenset(j for j, i in enumerate(pipeline) if kinds[i] in DRAFTER_KINDS)
+def light_positions(model_free: frozenset[int], pipeline: Sequence[int]) -> frozenset[int]:
+    """The positions in ``pipeline`` of its model-free stages (``HierarchyConfig.model_free``):
+    they take no share of the cores."""
+    return frozenset(j for j, i in enumerate(pipeline) if i in model_free)
 
 
 def agreement_rate(ag: Agreement, drafter: int, verifier: int) -> float | None:

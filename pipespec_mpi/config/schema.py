@@ -137,6 +137,11 @@ class HierarchyConfig:
     def n_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def model_free(self) -> frozenset[int]:
+        """The indices of the stages that hold no model (``DRAFTER_KINDS``)."""
+        return frozenset(i for i, st in enumerate(self.stages) if st.kind in DRAFTER_KINDS)
+
 
 @dataclass
 class DecodeConfig:

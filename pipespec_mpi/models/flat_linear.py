@@ -81,10 +81,10 @@ def cpu_isa() -> str | None:
 
 _ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512vl", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 # at::parallel_for splits a kernel's work over the rank's torch threads only where the kernel is
-# compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel ran
-# on one thread whatever `run.threads` said (the target's one-token step 18.2 ms on one thread,
-# 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp, the extension uses the
-# libgomp.so.1 torch has already loaded (same soname).
+# compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel
+# ran on one thread whatever `hierarchy.stages[i].threads` said (the target's one-token step
+# 18.2 ms on one thread, 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp,
+# the extension uses the libgomp.so.1 torch has already loaded (same soname).
 _OPENMP_FLAGS = ("-fopenmp",)  # a tuple: torch appends its own -L/-l flags to the list it is given
 
 

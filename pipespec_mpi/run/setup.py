@@ -92,9 +92,8 @@ def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> Cp
     import torch
 
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
-    light = frozenset(i for i, st in enumerate(hier.stages) if st.kind in DRAFTER_KINDS)
     threads = hier.stages[stage].threads
-    share = share_cpus(world.rank, world.hosts, affinities, hier.n_stages, threads, light)
+    share = share_cpus(world.rank, world.hosts, affinities, hier.n_stages, threads, hier.model_free)
     torch.set_num_threads(share.threads)
     return CpuPlacement(share, mode)
 
