@@ -243,6 +243,9 @@ class RunConfig:
     # share_cpus): auto in batched phases (measured: faster there, slower at batch 1), always,
     # or none (the OS places the ranks)
     cpu_bind: str = "auto"
+    # a waiting stage sleeps until a neighbour on its node rings it (comm/doorbell.py), instead of
+    # polling every millisecond; false: poll (for comparison)
+    doorbell: bool = True
     # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot
     # starve the others: a phase ends before the next starts); empty: decode.batch_size alone
     batch_sizes: tuple[int, ...] = ()

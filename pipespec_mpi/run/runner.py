@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from pipespec_mpi.comm.bootstrap import World, mpi
+from pipespec_mpi.comm.doorbell import Doorbell
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.models.base import score_batch
@@ -71,6 +72,7 @@ class Runner:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
+        self.bell: Doorbell | None = None  # set up with the links (comm/doorbell.py)
 
     def run(self) -> int:
         """Decode this rank's jobs; the job's exit code (0, or run/drain.py's when it was asked to
@@ -89,8 +91,11 @@ class Runner:
         n_slots = max(batch_sizes(cfg))
         with watchdog.phase("channels and windows"):
             slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
+            self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
         watchdog.close()
-        loops = [setup.stage_loop(cfg, pl, loaded, ln, slot=s) for s, ln in enumerate(slot_links)]
+        loops = [
+            setup.stage_loop(cfg, pl, loaded, ln, slot=s, bell=self.bell) for s, ln in enumerate(slot_links)
+        ]
         links = slot_links[0]
         done_keys = self._done()
         total = count_jobs(cfg, loaded.n_prompts)
@@ -178,6 +183,8 @@ class Runner:
         # waiting for peers that may never answer.
         for ln in slot_links:
             ln.close(cfg.run.stall_timeout_s)
+        if self.bell is not None:
+            self.bell.close()
         stop.close()
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         log.info("peak RSS of this rank: %.0f MB (its finalize included)", peak)
@@ -207,7 +214,7 @@ class Runner:
             slots = [slot(s, group, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
             try:
-                drive(stepper, self.cfg.run.stall_timeout_s)
+                drive(stepper, self.cfg.run.stall_timeout_s, self.bell)
             except StallError as err:
                 raise StallError(f"{err}{self._culprits(links)}") from err
             done += stepper.jobs_done

@@ -17,6 +17,7 @@ from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
+from pipespec_mpi.comm.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
@@ -301,13 +302,51 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
     return PushedEpochWindow(comm, max_tokens, neighbours, neighbours, header_only=header_only)
 
 
-def stage_loop(cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0) -> StageLoop:
+def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Doorbell | None:
+    """This rank's doorbell (comm/doorbell.py; collective over the world): rank 0 draws the job's
+    token, every rank binds its bell and rings its neighbours once; whether the bell covers the
+    rank: ``bell_covers``. None where the OS has no abstract sockets, or ``run.doorbell`` is off."""
+    import secrets
+
+    if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
+        return None
+    token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
+    bell = Doorbell.open(token, world.rank)
+    neighbours = {r for r in (pl.upstream, pl.downstream) if r is not None}
+    sleep_at_barrier(world.comm)  # every bell bound
+    if bell is not None:
+        for r in neighbours:
+            bell.ring(r)
+    sleep_at_barrier(world.comm)  # every hello in its bell's queue (a local datagram is, once sent)
+    if bell is None:
+        return None
+    kind = window_kind(cfg.run.epochs_window, world.hosts, pl.n_stages)
+    leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
+    bell.covers = bell_covers(kind, loaded.transport, leviathan, neighbours, set(bell.drain()))
+    log.info(
+        "waiting stages sleep until a neighbour rings (doorbell)"
+        if bell.covers
+        else f"waiting stages poll, woken early by a ring (window {kind}, transport {loaded.transport}"
+        f"{', leviathan' if leviathan else ''})"
+    )
+    return bell
+
+
+def stage_loop(
+    cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0, bell: Doorbell | None = None
+) -> StageLoop:
     """This rank's stage loop over its model, window and channels, on the node's clock; slot
-    s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``)."""
+    s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``). With a
+    ``bell``, its publishes ring both neighbours and its proposals the downstream."""
     free = pl.stage > 0 and cfg.hierarchy.stages[pl.stage - 1].kind in DRAFTER_KINDS
     role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream, upstream_free=free)
     model = loaded.model.for_slot() if slot else loaded.model
+    window, sender = links.window, links.sender
+    if bell is not None:
+        window = RingingWindow(window, bell, [r for r in (pl.upstream, pl.downstream) if r is not None])
+        if sender is not None:
+            sender = RingingSender(sender, bell, pl.downstream)
     return StageLoop(
-        role, model, links.window, links.sender, links.receiver, PerfClock(), cfg.decode,
+        role, model, window, sender, links.receiver, PerfClock(), cfg.decode,
         loaded.tokenizer.eos_token_id, vocab=loaded.vocab,
     )  # fmt: skip

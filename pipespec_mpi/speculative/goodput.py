@@ -322,8 +322,14 @@ class Estimates:
     def waited_an_own_step(self, now: float) -> bool:
         """The time since the end of the last forward is more than an own step costs (c(0) as
         measured; never before one was timed)."""
+        deadline = self.answer_deadline()
+        return deadline is not None and now > deadline
+
+    def answer_deadline(self) -> float | None:
+        """When ``waited_an_own_step`` turns true: an own step's cost after the end of the last
+        forward (None before one was timed)."""
         c0 = self.cost.get(0)
-        return c0 is not None and self.free_since is not None and now - self.free_since > c0
+        return None if c0 is None or self.free_since is None else self.free_since + c0
 
     def wait_gap(self, now: float) -> float | None:
         """g_w as seen now: a silence longer than the average counts, from the last arrival or

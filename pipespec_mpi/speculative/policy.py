@@ -69,6 +69,10 @@ class Decision:
     idle: bool = False  # nothing more to offer downstream now (a lookup miss is known only after it)
     upstream_matters: bool = False  # WAIT that an idle upstream would turn into work
     joined: bool = False  # adaptive: a wait given up to join the stage's batched forward (``joining``)
+    # adaptive WAIT: when this wait stops paying although nothing the stage reads changes (the
+    # stage's clock; None: not before something changes): a stage asleep on its doorbell, or in
+    # the simulator, decides again then
+    until: float | None = None
 
 
 def room(v: View, cfg: DecodeConfig) -> int:
@@ -142,7 +146,7 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
             return Decision(Act.OWN)
         est = v.estimates
         if answer_due(v, est):
-            return Decision(Act.WAIT, upstream_matters=True)
+            return Decision(Act.WAIT, upstream_matters=True, until=est.answer_deadline())
         accept, costs, gap, wait_gap = est.acceptance(), est.costs(limit), est.gap(), est.wait_gap(v.now)
         most_wait = 0 if v.upstream_idle else min(limit, cfg.max_run_ahead)
         c = choose(accept, costs, v.pending, limit, most_wait, gap, wait_gap)

@@ -134,6 +134,14 @@ class BatchedStage:
             out.append((slot, f))
         return out
 
+    def rung(self) -> bool:
+        return all(p.rung() for i, p in enumerate(self.slots) if not self.done[i])
+
+    @property
+    def recheck_at(self) -> float | None:
+        at = [p.recheck_at for i, p in enumerate(self.slots) if not self.done[i]]
+        return min((t for t in at if t is not None), default=None)
+
     def describe(self) -> str:
         live = [f"slot {i}: {p.describe()}" for i, p in enumerate(self.slots) if not self.done[i]]
         return "; ".join(live) or "every slot done"

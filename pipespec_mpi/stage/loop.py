@@ -239,8 +239,8 @@ class StageLoop:
         self.recheck_at = None
         if self.waits_for_upstream:
             g = self.est.expected_wait_gap()  # the next proposal is due then
-            if g is not None:
-                self.recheck_at = t + max(g, 1e-4)
+            due = [x for x in (None if g is None else t + max(g, 1e-4), d.until) if x is not None]
+            self.recheck_at = min(due, default=None)
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._close_wait(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
@@ -256,6 +256,11 @@ class StageLoop:
             return Step.PROGRESS if changed else Step.WAITING
         self._close_wait(t)
         return self._acted()
+
+    def rung(self) -> bool:
+        """After a WAITING iteration: only a neighbour's publish or proposal (or ``recheck_at``)
+        can move this stage, not a send buffer coming free for tokens still owed."""
+        return self.sender is None or self.finish_reason is not None or self.sent >= len(self.out)
 
     def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
         """Finish the iteration ``advance`` stopped at, with the forward's ``logits``

@@ -61,6 +61,21 @@ class Steppable(Protocol):
 
     def describe(self) -> str: ...
 
+    def rung(self) -> bool:
+        """Everything its last WAITING step waits for rings its rank's bell (comm/doorbell.py):
+        a neighbour's publish or proposal, or its own ``recheck_at``."""
+
+    @property
+    def recheck_at(self) -> float | None:
+        """When to step again although no neighbour rang (the stage clock), None: only when rung."""
+
+
+class Bell(Protocol):
+    covers: bool  # every neighbour's change rings it by the time the change is visible
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until rung or ``timeout_s`` passed; take the rings."""
+
 
 class StageProcess:
     """One rank's stage over its jobs; ``step()`` says DONE once every job it was dealt is handed
@@ -156,6 +171,15 @@ class StageProcess:
     def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
         return self.loop.complete(fwd, logits, t0)
 
+    def rung(self) -> bool:
+        """Decoding, nothing left unsent: only a neighbour or its policy's recheck moves it (the
+        start gate, the deal and the handoff are MPI collectives that ring nobody)."""
+        return self.phase == "decode" and self.loop.rung()
+
+    @property
+    def recheck_at(self) -> float | None:
+        return self.loop.recheck_at if self.phase == "decode" else None
+
     @property
     def waits_for_upstream(self) -> bool:
         """Its last step waited for more proposals by choice (``StageLoop.advance``)."""
@@ -182,10 +206,23 @@ def jobs_left(slots: Sequence[StageProcess]) -> int:
     return len(slots[0].jobs) - sum(p.jobs_started for p in slots)
 
 
-def drive(stepper: Steppable, stall_timeout_s: float) -> None:
-    """Step until DONE on a real clock: again at once after progress, with backoff sleeps
-    (20 us doubling to 1 ms, never spinning) while waiting; ``StallError`` once nothing has
-    moved for ``stall_timeout_s``."""
+# How long a waiting stage whose bell covers it sleeps at most without a ring: a safety net only
+# (a ring is never lost, comm/doorbell.py), short enough that a missed one costs a fraction of a
+# forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms).
+QUIET_S = 0.01
+
+
+def drive(
+    stepper: Steppable,
+    stall_timeout_s: float,
+    bell: Bell | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Step until DONE on a real clock: again at once after progress; while waiting, asleep until
+    a neighbour rings ``bell`` (or the stepper's own ``recheck_at``, or ``QUIET_S``) where the
+    bell covers what it waits for, else with backoff sleeps (20 us doubling to 1 ms, cut short
+    by a ring; never spinning); ``StallError`` once nothing has moved for ``stall_timeout_s``.
+    ``clock``: the stage clock ``recheck_at`` is on."""
     backoff = Backoff()
     last = time.monotonic()
     while (s := stepper.step()) is not Step.DONE:
@@ -195,4 +232,10 @@ def drive(stepper: Steppable, stall_timeout_s: float) -> None:
             continue
         if time.monotonic() - last > stall_timeout_s:
             raise StallError(f"{stepper.describe()}: no progress for {stall_timeout_s:.0f} s")
-        backoff.sleep()
+        if bell is None:
+            backoff.sleep()
+        elif bell.covers and stepper.rung():
+            at = stepper.recheck_at
+            bell.wait(QUIET_S if at is None else min(QUIET_S, max(0.0, at - clock())))
+        else:
+            bell.wait(backoff.take())

@@ -23,10 +23,15 @@ class Backoff:
     def reset(self) -> None:
         self.delay = self.min_s
 
-    def sleep(self) -> float:
+    def take(self) -> float:
+        """The next delay (each one twice the last, up to ``max_s``)."""
         d = self.delay
-        time.sleep(d)
         self.delay = min(self.max_s, self.delay * 2)
+        return d
+
+    def sleep(self) -> float:
+        d = self.take()
+        time.sleep(d)
         return d
 
 

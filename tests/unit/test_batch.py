@@ -156,3 +156,26 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
 
 def test_explore_names_the_batch_families():
     assert len(BATCH) == 6 and explore("pipespec-greedy-batch", 1).ok
+
+
+def test_a_batched_stage_sleeps_on_its_bell_only_when_every_live_slot_does():
+    """``rung``: every slot still decoding waits only for its neighbours (a slot at a start gate
+    or a handoff waits for an MPI collective, which rings nobody); ``recheck_at``: the earliest
+    of theirs."""
+    from types import SimpleNamespace
+
+    from pipespec_mpi.stage.loop import StageLoop
+
+    def slot(rung: bool, at: float | None) -> SimpleNamespace:
+        return SimpleNamespace(rung=lambda: rung, recheck_at=at)
+
+    slots = [slot(True, None), slot(True, 3.0), slot(False, 1.0)]
+    stage = BatchedStage(slots, clock=SimpleNamespace(now=lambda: 0))
+    assert not stage.rung() and stage.recheck_at == 1.0
+    stage.done[2] = True  # a finished slot waits for nothing
+    assert stage.rung() and stage.recheck_at == 3.0
+    # a stage loop owing tokens a send buffer has no room for yet is not moved by a ring alone
+    owing = SimpleNamespace(sender=object(), finish_reason=None, sent=1, out=[7, 8])
+    assert not StageLoop.rung(owing)
+    assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sent": 2}))
+    assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sender": None}))

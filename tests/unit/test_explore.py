@@ -15,6 +15,7 @@ from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, World, explore, sweep
 from pipespec_mpi.speculative import goodput
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
+from pipespec_mpi.stage import loop as loop_module
 from pipespec_mpi.stage.loop import Mailbox, StageLoop
 
 
@@ -34,6 +35,10 @@ ONCE = [("pipespec-leviathan", 20, None), ("sd-leviathan", 16, None)]
 KEEP = [("pipespec-greedy", 16, None), ("pipespec-leviathan", 2, None), ("pipespec-greedy", 6, "slurm-sweep")]
 # a stop request (run/drain.py) that each stage acts on alone, without the gate's vote
 STOP = [("pipespec-greedy", 7, None), ("sd-greedy", 5, None), ("pipespec-leviathan", 6, None)]
+# an adaptive wait for a model-free drafter's answer that ends by the clock alone (an own step's
+# cost after the last forward) with no recheck set: a rank asleep on its doorbell slept past it
+UNTIL = [("pipespec-greedy-adaptive", 37, None), ("pipespec-gumbel-adaptive", 136, None),
+         ("pipespec-leviathan-adaptive", 266, None)]  # fmt: skip
 
 
 def without_resend(monkeypatch) -> None:
@@ -73,12 +78,18 @@ def ignoring_stop(monkeypatch) -> None:
     monkeypatch.setattr(ExGate, "stopped", lambda self: False)
 
 
+def wait_without_until(monkeypatch) -> None:
+    """The answer's wait without its end: ``Decision.until`` never set, so no recheck is due."""
+    decide = loop_module.decide
+    monkeypatch.setattr(loop_module, "decide", lambda v, cfg: replace(decide(v, cfg), until=None))
+
+
 def resending_leviathan(monkeypatch) -> None:
     """P2 back in: Leviathan tokens are sent again after an epoch change, like greedy ones."""
     monkeypatch.setattr(Leviathan, "resendable", True)
 
 
-@pytest.mark.parametrize("family,seed,preset", RESEND + ONCE + KEEP + STOP)
+@pytest.mark.parametrize("family,seed,preset", RESEND + ONCE + KEEP + STOP + UNTIL)
 def test_regression_seed_passes(family, seed, preset):
     assert explore(family, seed, preset).ok
 
@@ -89,7 +100,8 @@ def test_regression_seed_passes(family, seed, preset):
     + [(*c, resending_leviathan, "error") for c in ONCE]
     + [(*c, dropping_while_waiting, "stall") for c in KEEP]
     + [(*c, stopping_alone, "stall") for c in STOP]
-    + [(*c, ignoring_stop, "counter") for c in STOP],
+    + [(*c, ignoring_stop, "counter") for c in STOP]
+    + [(*c, wait_without_until, "unrung") for c in UNTIL],
 )
 def test_regression_seed_fails_without_its_fix(monkeypatch, family, seed, preset, bug, verdict):
     bug(monkeypatch)

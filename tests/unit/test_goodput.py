@@ -161,12 +161,15 @@ def test_an_adaptive_verifier_waits_for_a_model_free_drafters_answer_for_an_own_
     assert decide(view(est, pending=0), ADAPTIVE).act is Act.OWN  # a model upstream: by the rates
     d = decide(view(est, pending=0, upstream_free=True), ADAPTIVE)
     assert d.act is Act.WAIT and d.upstream_matters
+    # the wait ends by the clock alone: the stage decides again then (a rank asleep on its bell)
+    assert d.until == pytest.approx(9.999 + 0.02)
     assert decide(view(est, pending=0, upstream_free=True, upstream_idle=True), ADAPTIVE).act is Act.OWN
     assert decide(view(est, pending=0, upstream_free=True, joining=True), ADAPTIVE).act is Act.OWN
     late = view(est, pending=0, upstream_free=True, now=10.03)  # 31 ms since its forward: > c(0)
     assert decide(late, ADAPTIVE).act is Act.OWN
-    fresh = Estimates(accept_prior=0.3, rate=0.1)  # no own step timed yet: it waits
-    assert decide(view(fresh, pending=0, upstream_free=True), ADAPTIVE).act is Act.WAIT
+    fresh = Estimates(accept_prior=0.3, rate=0.1)  # no own step timed yet: it waits (for a ring)
+    d = decide(view(fresh, pending=0, upstream_free=True), ADAPTIVE)
+    assert d.act is Act.WAIT and d.until is None
     # something pending: the rates decide (the drafter has answered)
     assert decide(view(est, pending=1, upstream_free=True), ADAPTIVE).act is Act.VERIFY
 

@@ -29,6 +29,11 @@ class World(Protocol):
     gate_complete: set[int]
     stop_votes: set[int]
     outcomes: dict[tuple[int, int], StageOutcome]
+    stale_reads: set[int]  # the nodes whose read in this step saw an older version than the newest
+
+    def stir(self, node: int) -> None:
+        """Something ``node`` reads changed (a publish or a message it can receive now): what
+        rings its rank's bell (comm/doorbell.py)."""
 
 
 class TickClock:
@@ -36,6 +41,10 @@ class TickClock:
         self.world = world
 
     def now(self) -> float:
+        return float(self.world.tick)
+
+    def peek(self) -> float:
+        """The time now, without reading the clock (no draw)."""
         return float(self.world.tick)
 
 
@@ -103,6 +112,10 @@ class DriftClock:
         self.drift += self.rng.choice(self.steps)
         return float(self.world.tick) + self.drift
 
+    def peek(self) -> float:
+        """The last reading's drift on the world's tick now, without a draw."""
+        return float(self.world.tick) + self.drift
+
 
 class ExWindow:
     """A stage's view of the epochs window: any version of a neighbour's header that is not older
@@ -112,7 +125,12 @@ class ExWindow:
         self.world, self.me = world, me
 
     def publish(self, h: Header, tokens, dirty_from: int) -> None:
-        self.world.versions[self.me].append((h, tuple(tokens)))
+        w = self.world
+        w.versions[self.me].append((h, tuple(tokens)))
+        k = w.sc.k
+        for n in (self.me - 1, self.me + 1):  # both neighbours of its slot read it
+            if 0 <= n < len(w.versions) and n // k == self.me // k:
+                w.stir(n)
 
     def _read(self, rank: int) -> tuple[Header, tuple[int, ...]]:
         w = self.world
@@ -120,6 +138,8 @@ class ExWindow:
         lo = w.seen.get((self.me, rank), 0)
         i = len(vs) - 1 if w.fair or w.rng.random() < w.sc.p_fresh else w.rng.randint(lo, len(vs) - 1)
         w.seen[(self.me, rank)] = i
+        if i < len(vs) - 1:
+            w.stale_reads.add(self.me)
         return vs[i]
 
     def header(self, rank: int) -> Header:

@@ -204,7 +204,7 @@ PRESETS: dict[str, dict] = {
 class Finding:
     family: str
     seed: int
-    verdict: str  # ok | stall | livelock | error | mismatch | counter
+    verdict: str  # ok | stall | livelock | error | mismatch | counter | unrung
     detail: str = ""
     ticks: int = 0
 

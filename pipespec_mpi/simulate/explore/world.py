@@ -112,8 +112,10 @@ class World:
         adaptive = sc.family.endswith("-adaptive")
         self.procs: list[StageProcess | BatchedStage] = []
         self.slot_procs: list[StageProcess] = []  # every slot of every stage
+        self.clocks: list[TickClock | DriftClock] = []
         for i in range(k):
             clock = DriftClock(self, i) if adaptive else TickClock(self)
+            self.clocks.append(clock)
             slots = []
             for s in range(b):
                 n = s * k + i
@@ -146,6 +148,14 @@ class World:
             self.procs.append(stage)
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)
+        # The doorbell check (comm/doorbell.py): a stage whose step waited with a bell that covers
+        # it (``rung()``), every read fresh, sleeps until something it reads changes (``stir``) or
+        # its recheck is due (its clock's time here, inf: none); a step before then must wait
+        # again, or the real driver would have slept through a change. Drawn estimates (chaos)
+        # change a decision with nothing changed, so those families are not checked.
+        self.asleep: dict[int, float] = {}
+        self.stale_reads: set[int] = set()
+        self.check_sleep = not sc.chaos
 
     def _oracle_parts(self) -> Parts:
         sc, rng = self.sc, self.rng
@@ -184,18 +194,30 @@ class World:
         ]
 
     # ---------------------------------------------------------------- the scheduler
+    def stir(self, node: int) -> None:
+        self.asleep.pop(node % self.sc.k, None)
+
+    def _release(self, n: int, count: int) -> None:
+        """Link ``n`` (node n to n + 1) lets ``count`` messages be received."""
+        link = self.links[n]
+        if count > link.deliverable:
+            self.stir(n + 1)
+        link.deliverable = count
+
     def _deliver(self) -> None:
         sc, rng = self.sc, self.rng
         if sc.bursts and rng.random() < 0.002:
             link = rng.choice(self.links)
             link.held_until = self.tick + rng.randint(20, 400)
-        for link in self.links:
+        for n, link in enumerate(self.links):
             if self.tick == link.held_until:  # a held-back link delivers everything at once
-                link.deliverable = len(link.queue)
+                self._release(n, len(link.queue))
         if rng.random() < sc.p_deliver:
-            ready = [ln for ln in self.links if ln.deliverable < len(ln.queue) and self.tick >= ln.held_until]
+            links = enumerate(self.links)
+            ready = [n for n, ln in links if ln.deliverable < len(ln.queue) and self.tick >= ln.held_until]
             if ready:
-                rng.choice(ready).deliverable += 1
+                n = rng.choice(ready)
+                self._release(n, self.links[n].deliverable + 1)
 
     def _pick(self, live: list[int]) -> int:
         sc, rng = self.sc, self.rng
@@ -212,6 +234,7 @@ class World:
     def _fair_rounds(self, live: list[int]) -> bool:
         """Every stage with full information: some progress within a few rounds, or a stall."""
         self.fair = True
+        self.asleep.clear()  # every message delivered, every read fresh: everything is stirred
         try:
             for _ in range(FAIR_ROUNDS):
                 for link in self.links:
@@ -239,8 +262,17 @@ class World:
                     return self._finding("livelock", f"{self.max_ticks} ticks without finishing")
                 self._deliver()
                 i = self._pick(live)
+                asleep = self.asleep.pop(i, None)
+                self.stale_reads.clear()
                 s = self.procs[i].step()
                 self.trace.append(f"{self.tick} stage {i}: {s.name} {self.procs[i].describe()}")
+                if asleep is not None and s is not Step.WAITING and self.clocks[i].peek() < asleep:
+                    return self._finding(
+                        "unrung",
+                        f"stage {i} moved ({s.name}) although nothing it reads changed since its step "
+                        f"that waited and its recheck was not due: a rank would have slept through it",
+                    )
+                self._sleep(i, s)
                 if s is Step.DONE:
                     live.remove(i)
                 idle = idle + 1 if s is Step.WAITING else 0
@@ -251,6 +283,14 @@ class World:
         except Exception as err:  # noqa: BLE001 - any exception is a finding, reported with its seed
             return self._finding("error", f"{type(err).__name__}: {err}")
         return self._check()
+
+    def _sleep(self, i: int, s: Step) -> None:
+        """After stage i's step ``s``: asleep until stirred, if a rank's driver would sleep."""
+        k = self.sc.k
+        fresh = not any(n % k == i for n in self.stale_reads)
+        if self.check_sleep and s is Step.WAITING and fresh and self.procs[i].rung():
+            at = self.procs[i].recheck_at
+            self.asleep[i] = float("inf") if at is None else at
 
     def _state(self) -> str:
         parts = []
