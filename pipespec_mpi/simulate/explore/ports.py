@@ -43,10 +43,6 @@ class TickClock:
     def now(self) -> float:
         return float(self.world.tick)
 
-    def peek(self) -> float:
-        """The time now, without reading the clock (no draw)."""
-        return float(self.world.tick)
-
 
 class ChaosEstimates(Estimates):
     """Estimates that read as anything, drawn anew at every decision (seeded): the adaptive policy
@@ -110,10 +106,6 @@ class DriftClock:
 
     def now(self) -> float:
         self.drift += self.rng.choice(self.steps)
-        return float(self.world.tick) + self.drift
-
-    def peek(self) -> float:
-        """The last reading's drift on the world's tick now, without a draw."""
         return float(self.world.tick) + self.drift
 
 
