@@ -13,10 +13,11 @@ non-blocking one-byte ``sendto``, dropped when the bell's queue is full (it ring
 waiting driver (stage/process.py ``drive``) sleeps in ``select`` on its bell, drains it and
 steps: a ring that comes during the step wakes the next wait at once, so none is lost.
 
-A bell *covers* a rank when every neighbour reached it at setup (a hello through the bells:
-they share the node and its network namespace). The rest (the epochs window, the transport)
-decides whether a ring means the change is already visible (run/setup.py ``open_doorbell``); where it
-is not, the driver polls as before, waking early when rung.
+A bell *covers* a rank (``bell_covers``) when every neighbour reached it at setup (a hello
+through the bells, run/setup.py ``open_doorbell``: they share the node and its network
+namespace) and a ring means the change is already visible (the shared-memory window, MPI
+proposals without distributions); where it does not, the driver polls as before, waking early
+when rung.
 """
 
 from __future__ import annotations
