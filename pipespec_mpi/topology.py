@@ -54,6 +54,11 @@ class Placement:
         return None if self.is_last else self.rank_of(self.stage + 1)
 
     @property
+    def neighbours(self) -> list[int]:
+        """World ranks of the stages next to this one (upstream first): what reads its header."""
+        return [r for r in (self.upstream, self.downstream) if r is not None]
+
+    @property
     def leader(self) -> int:
         """The replica's last stage: it holds the answer and writes the replica's results."""
         return self.rank_of(self.n_stages - 1)

@@ -295,8 +295,7 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
         return SharedEpochWindow(node_comm, max_tokens, world.rank)
     if kind == "rma":
         return EpochWindow(comm, max_tokens)
-    up, down = pl.upstream, pl.downstream
-    neighbours = [r for r in (up, down) if r is not None]
+    neighbours, down = pl.neighbours, pl.downstream
     # the upstream reads this rank's tokens (rollbacks); the downstream only its idle flag
     header_only = [down] if down is not None else []
     return PushedEpochWindow(comm, max_tokens, neighbours, neighbours, header_only=header_only)
@@ -312,7 +311,7 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
     bell = Doorbell.open(token, world.rank)
-    neighbours = {r for r in (pl.upstream, pl.downstream) if r is not None}
+    neighbours = set(pl.neighbours)
     sleep_at_barrier(world.comm)  # every bell bound
     if bell is not None:
         for r in neighbours:
@@ -343,7 +342,7 @@ def stage_loop(
     model = loaded.model.for_slot() if slot else loaded.model
     window, sender = links.window, links.sender
     if bell is not None:
-        window = RingingWindow(window, bell, [r for r in (pl.upstream, pl.downstream) if r is not None])
+        window = RingingWindow(window, bell, pl.neighbours)
         if sender is not None:
             sender = RingingSender(sender, bell, pl.downstream)
     return StageLoop(

@@ -98,3 +98,10 @@ def test_each_node_is_placed_on_its_own():
 def test_a_stage_threads_setting_sets_the_count_not_the_cpus():
     got = shares(["a"] * 3, [{0, 1}] * 3, 3, threads=2)
     assert [(g.threads, g.cpus) for g in got] == [(2, (0,)), (2, (0,)), (2, (1,))]
+
+
+def test_a_stage_s_neighbours_are_the_stages_beside_it_in_its_replica():
+    assert place(0, 6, 3).neighbours == [1]
+    assert place(1, 6, 3).neighbours == [0, 2]
+    assert place(5, 6, 3).neighbours == [4]  # replica 1's last stage
+    assert place(0, 1, 1).neighbours == []
