@@ -26,6 +26,7 @@ import os
 import select
 import socket
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 
 import numpy as np
 
@@ -48,7 +49,6 @@ class Doorbell:
         # every change the rank's stage waits for rings this bell by the time it is visible (set
         # by run/setup.py open_doorbell); False: its driver polls, woken early by a ring
         self.covers = False
-        self.rings = 0  # rings sent (counted for tests and diagnostics)
 
     @classmethod
     def open(cls, token: str, rank: int) -> Doorbell | None:
@@ -65,11 +65,8 @@ class Doorbell:
 
     def ring(self, rank: int) -> None:
         """Wake ``rank`` if it waits (never blocks; a bell it cannot reach is not rung)."""
-        try:
+        with suppress(OSError):  # full (it will wake anyway), gone, or on another node
             self.sock.sendto(b"\1", bell_address(self.token, rank))
-            self.rings += 1
-        except OSError:  # full (it will wake anyway), gone, or on another node
-            pass
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until rung or ``timeout_s`` passed, then take every ring that came; whether one did."""

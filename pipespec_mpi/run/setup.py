@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -305,8 +306,6 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
     """This rank's doorbell (comm/doorbell.py; collective over the world): rank 0 draws the job's
     token, every rank binds its bell and rings its neighbours once; whether the bell covers the
     rank: ``bell_covers``. None where the OS has no abstract sockets, or ``run.doorbell`` is off."""
-    import secrets
-
     if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)

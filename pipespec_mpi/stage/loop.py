@@ -260,7 +260,7 @@ class StageLoop:
     def rung(self) -> bool:
         """After a WAITING iteration: only a neighbour's publish or proposal (or ``recheck_at``)
         can move this stage, not a send buffer coming free for tokens still owed."""
-        return self.sender is None or self.finish_reason is not None or self.sent >= len(self.out)
+        return self.sender is None or self.sent >= len(self.out)
 
     def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
         """Finish the iteration ``advance`` stopped at, with the forward's ``logits``

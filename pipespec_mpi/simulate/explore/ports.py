@@ -10,6 +10,7 @@ from typing import Protocol
 
 from pipespec_mpi.simulate.explore.scenarios import ExJob, Scenario
 from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost
+from pipespec_mpi.stage.loop import StageRole
 from pipespec_mpi.stage.ports import Header, Proposal
 from pipespec_mpi.stage.stats import StageOutcome
 
@@ -113,16 +114,14 @@ class ExWindow:
     """A stage's view of the epochs window: any version of a neighbour's header that is not older
     than the one this stage saw last (memory is coherent, but a read may come early)."""
 
-    def __init__(self, world: World, me: int) -> None:
-        self.world, self.me = world, me
+    def __init__(self, world: World, role: StageRole) -> None:
+        self.world, self.me = world, role.rank  # me: the node, slot * k + stage
+        self.readers = [n for n in (role.upstream, role.downstream) if n is not None]
 
     def publish(self, h: Header, tokens, dirty_from: int) -> None:
-        w = self.world
-        w.versions[self.me].append((h, tuple(tokens)))
-        k = w.sc.k
-        for n in (self.me - 1, self.me + 1):  # both neighbours of its slot read it
-            if 0 <= n < len(w.versions) and n // k == self.me // k:
-                w.stir(n)
+        self.world.versions[self.me].append((h, tuple(tokens)))
+        for n in self.readers:  # both neighbours of its slot read it
+            self.world.stir(n)
 
     def _read(self, rank: int) -> tuple[Header, tuple[int, ...]]:
         w = self.world

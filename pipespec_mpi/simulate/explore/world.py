@@ -120,7 +120,7 @@ class World:
                 free = i == 1 and sc.lookup
                 role = StageRole(i, k, n, n - 1 if i else None, n + 1 if i < k - 1 else None, free)
                 loop = StageLoop(
-                    role, self.parts.model(i), ExWindow(self, n), ExSender(self, n) if i < k - 1 else None,
+                    role, self.parts.model(i), ExWindow(self, role), ExSender(self, n) if i < k - 1 else None,
                     ExReceiver(self, n) if i else None, clock, sc.decode, self.eos, vocab=sc.vocab,
                     record_timeline=False,
                 )  # fmt: skip
