@@ -18,6 +18,12 @@ through the bells, run/setup.py ``open_doorbell``: they share the node and its n
 namespace) and a ring means the change is already visible (the shared-memory window, MPI
 proposals without distributions); where it does not, the driver polls as before, waking early
 when rung.
+
+The collectives that begin and end a job (the deal, the start gate, the handoff: MPI
+non-blocking votes and sends, which ring nobody) complete only as their members poll them; a
+stage that joins one rings the replica's other stages (``RingingGate``, ``RingingDeal``,
+``RingingHandoff``), so that a rank waiting there may sleep longer between polls and poll again
+soon after a ring (``drive``'s ``patient`` waits).
 """
 
 from __future__ import annotations
@@ -27,10 +33,16 @@ import select
 import socket
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipespec_mpi.stage.ports import Header, Sender, Window
+
+if TYPE_CHECKING:
+    from pipespec_mpi.stage.deal import Deal
+    from pipespec_mpi.stage.process import Gate, Handoff, Job
+    from pipespec_mpi.stage.stats import StageOutcome
 
 _PREFIX = b"\0pipespec-bell-"
 
@@ -151,3 +163,53 @@ class RingingSender:
         if n:
             self.bell.ring(self.peer)
         return n
+
+
+def _ring_all(bell: Doorbell, peers: Sequence[int]) -> None:
+    for p in peers:
+        bell.ring(p)
+
+
+class RingingGate:
+    """A start gate that rings ``peers`` (the replica's other stages) once this stage joined it."""
+
+    def __init__(self, gate: Gate, bell: Doorbell, peers: Iterable[int]) -> None:
+        self.gate, self.bell, self.peers = gate, bell, tuple(peers)
+
+    def open(self, seq: int) -> None:
+        self.gate.open(seq)
+        _ring_all(self.bell, self.peers)
+
+    def passed(self) -> bool:
+        return self.gate.passed()
+
+    def stopped(self) -> bool:
+        return self.gate.stopped()
+
+
+class RingingDeal:
+    """A deal that rings ``peers`` once this stage asked for its slot's next job."""
+
+    def __init__(self, deal: Deal, bell: Doorbell, peers: Iterable[int]) -> None:
+        self.deal, self.bell, self.peers = deal, bell, tuple(peers)
+
+    def open(self) -> None:
+        self.deal.open()
+        _ring_all(self.bell, self.peers)
+
+    def dealt(self) -> int | None:
+        return self.deal.dealt()
+
+
+class RingingHandoff:
+    """A handoff that rings ``peers`` once this stage posted its outcome (the leader waits for it)."""
+
+    def __init__(self, handoff: Handoff, bell: Doorbell, peers: Iterable[int]) -> None:
+        self.handoff, self.bell, self.peers = handoff, bell, tuple(peers)
+
+    def post(self, job: Job, outcome: StageOutcome) -> None:
+        self.handoff.post(job, outcome)
+        _ring_all(self.bell, self.peers)
+
+    def delivered(self) -> bool:
+        return self.handoff.delivered()

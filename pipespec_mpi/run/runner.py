@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from pipespec_mpi.comm.bootstrap import World, mpi
-from pipespec_mpi.comm.doorbell import Doorbell
+from pipespec_mpi.comm.doorbell import Doorbell, RingingDeal, RingingGate, RingingHandoff
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.models.base import score_batch
@@ -92,6 +92,7 @@ class Runner:
         with watchdog.phase("channels and windows"):
             slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
+        ringing = setup.ringing_collectives(self.bell, pl)
         watchdog.close()
         loops = [
             setup.stage_loop(cfg, pl, loaded, ln, slot=s, bell=self.bell) for s, ln in enumerate(slot_links)
@@ -129,10 +130,16 @@ class Runner:
                 cpus=loaded.cpus, slot=s,
                 n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
             )  # fmt: skip
+            gate = VoteGate(comm, stop)
+            deal = None if queue is None else VoteDeal(comm, queue if pl.is_last else None)
+            if ringing is not None:  # joining one rings the replica's other stages
+                gate = RingingGate(gate, self.bell, ringing)
+                handoff = RingingHandoff(handoff, self.bell, ringing)
+                deal = None if deal is None else RingingDeal(deal, self.bell, ringing)
             return StageProcess(
-                loops[s], VoteGate(comm, stop), handoff, group,
+                loops[s], gate, handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
-                deal=None if queue is None else VoteDeal(comm, queue if pl.is_last else None),
+                deal=deal, collectives_ring=ringing is not None,
             )  # fmt: skip
 
         # A round of rows at a time (run/rows.py): plan its jobs, decode them, then every replica

@@ -305,22 +305,23 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
 def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Doorbell | None:
     """This rank's doorbell (comm/doorbell.py; collective over the world): rank 0 draws the job's
     token, every rank binds its bell and rings its neighbours once; whether the bell covers the
-    rank: ``bell_covers``. None where the OS has no abstract sockets, or ``run.doorbell`` is off."""
+    rank: ``bell_covers``; which of the replica's ranks its rings reach: ``heard``. None where the
+    OS has no abstract sockets, or ``run.doorbell`` is off."""
     if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
     bell = Doorbell.open(token, world.rank)
-    neighbours = set(pl.neighbours)
     sleep_at_barrier(world.comm)  # every bell bound
     if bell is not None:
-        for r in neighbours:
+        for r in collective_peers(pl):  # the neighbours among them
             bell.ring(r)
     sleep_at_barrier(world.comm)  # every hello in its bell's queue (a local datagram is, once sent)
     if bell is None:
         return None
     kind = window_kind(cfg.run.epochs_window, world.hosts, pl.n_stages)
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
-    bell.covers = bell_covers(kind, loaded.transport, leviathan, neighbours, set(bell.drain()))
+    bell.heard = frozenset(bell.drain())
+    bell.covers = bell_covers(kind, loaded.transport, leviathan, set(pl.neighbours), set(bell.heard))
     log.info(
         "waiting stages sleep until a neighbour rings (doorbell)"
         if bell.covers
@@ -328,6 +329,20 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
         f"{', leviathan' if leviathan else ''})"
     )
     return bell
+
+
+def collective_peers(pl: Placement) -> list[int]:
+    """The replica's other ranks: the members of its jobs' deal, start gate and handoff."""
+    return [r for r in pl.replica_ranks() if r != pl.world_rank]
+
+
+def ringing_collectives(bell: Doorbell | None, pl: Placement) -> list[int] | None:
+    """Whom this rank rings when it joins a collective of a job, where the bell covers the rank
+    and every other stage of the replica heard its hello (so they ring it back); else None."""
+    peers = collective_peers(pl)
+    if bell is None or not bell.covers or not set(peers) <= bell.heard:
+        return None
+    return peers
 
 
 def stage_loop(

@@ -137,6 +137,9 @@ class BatchedStage:
     def rung(self) -> bool:
         return all(p.rung() for i, p in enumerate(self.slots) if not self.done[i])
 
+    def patient(self) -> bool:
+        return all(p.patient() for i, p in enumerate(self.slots) if not self.done[i])
+
     @property
     def recheck_at(self) -> float | None:
         at = [p.recheck_at for i, p in enumerate(self.slots) if not self.done[i]]

@@ -65,6 +65,11 @@ class Steppable(Protocol):
         """Everything its last WAITING step waits for rings its rank's bell (comm/doorbell.py):
         a neighbour's publish or proposal, or its own ``recheck_at``."""
 
+    def patient(self) -> bool:
+        """After a WAITING iteration that is not ``rung``: whatever it waits for is at most a
+        collective of its replica away, whose other stages ring it when they join (the deal,
+        the start gate, the handoff); its driver may sleep up to ``QUIET_S`` between polls."""
+
     @property
     def recheck_at(self) -> float | None:
         """When to step again although no neighbour rang (the stage clock), None: only when rung."""
@@ -91,8 +96,12 @@ class StageProcess:
         verifier_for: Callable[[Job], Verifier],
         on_start: Callable[[Job], None] | None = None,
         deal: Deal | None = None,
+        collectives_ring: bool = False,
     ) -> None:
         self.loop, self.gate, self.handoff = loop, gate, handoff
+        # every other stage of the replica rings this rank when it joins the deal, the gate or
+        # the handoff (comm/doorbell.py RingingCollectives): waits there may sleep longer
+        self.collectives_ring = collectives_ring
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
         self.deal = deal if deal is not None else InTurn(len(self.jobs))
         self.index = -1
@@ -176,6 +185,10 @@ class StageProcess:
         start gate, the deal and the handoff are MPI collectives that ring nobody)."""
         return self.phase == "decode" and self.loop.rung()
 
+    def patient(self) -> bool:
+        """Rung, or waiting for a collective whose other stages ring when they join."""
+        return self.rung() or (self.collectives_ring and self.phase in ("deal", "gate", "handoff"))
+
     @property
     def recheck_at(self) -> float | None:
         return self.loop.recheck_at if self.phase == "decode" else None
@@ -208,7 +221,10 @@ def jobs_left(slots: Sequence[StageProcess]) -> int:
 
 # How long a waiting stage whose bell covers it sleeps at most without a ring: a safety net only
 # (a ring is never lost, comm/doorbell.py), short enough that a missed one costs a fraction of a
-# forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms).
+# forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms). Also the
+# longest backoff sleep at a collective whose members ring: polled every millisecond, the
+# suffix drafter's 16 slots waiting at the deal through a batched AR phase (it has no part in AR
+# jobs) took 8.6% of a core from a target computing on both cores of a 2-core node.
 QUIET_S = 0.01
 
 
@@ -220,9 +236,11 @@ def drive(
 ) -> None:
     """Step until DONE on a real clock: again at once after progress; while waiting, asleep until
     a neighbour rings ``bell`` (or the stepper's own ``recheck_at``, or ``QUIET_S``) where the
-    bell covers what it waits for, else with backoff sleeps (20 us doubling to 1 ms, cut short
-    by a ring; never spinning); ``StallError`` once nothing has moved for ``stall_timeout_s``.
-    ``clock``: the stage clock ``recheck_at`` is on."""
+    bell covers what it waits for; at a collective whose other stages ring when they join
+    (``patient``), backoff sleeps up to ``QUIET_S``, started again by every ring (a collective
+    completes only as its members poll it, so a ring says: poll soon); elsewhere backoff sleeps
+    of 20 us doubling to 1 ms, cut short by a ring; never spinning. ``StallError`` once nothing
+    has moved for ``stall_timeout_s``. ``clock``: the stage clock ``recheck_at`` is on."""
     backoff = Backoff()
     last = time.monotonic()
     while (s := stepper.step()) is not Step.DONE:
@@ -235,7 +253,15 @@ def drive(
         if bell is None:
             backoff.sleep()
         elif bell.covers and stepper.rung():
-            at = stepper.recheck_at
-            bell.wait(QUIET_S if at is None else min(QUIET_S, max(0.0, at - clock())))
+            bell.wait(_until_recheck(stepper, QUIET_S, clock))
+        elif bell.covers and stepper.patient():
+            if bell.wait(_until_recheck(stepper, backoff.take(QUIET_S), clock)):
+                backoff.reset()
         else:
             bell.wait(backoff.take())
+
+
+def _until_recheck(stepper: Steppable, timeout_s: float, clock: Callable[[], float]) -> float:
+    """``timeout_s``, cut to the stepper's ``recheck_at``."""
+    at = stepper.recheck_at
+    return timeout_s if at is None else min(timeout_s, max(0.0, at - clock()))

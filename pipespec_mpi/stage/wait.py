@@ -23,10 +23,12 @@ class Backoff:
     def reset(self) -> None:
         self.delay = self.min_s
 
-    def take(self) -> float:
-        """The next delay (each one twice the last, up to ``max_s``)."""
-        d = self.delay
-        self.delay = min(self.max_s, self.delay * 2)
+    def take(self, max_s: float | None = None) -> float:
+        """The next delay (each one twice the last, up to ``max_s``: this call's, else the
+        backoff's own)."""
+        cap = self.max_s if max_s is None else max_s
+        d = min(self.delay, cap)
+        self.delay = min(cap, self.delay * 2)
         return d
 
     def sleep(self) -> float:

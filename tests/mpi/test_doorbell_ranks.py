@@ -1,7 +1,10 @@
 """Doorbells between real ranks (comm/doorbell.py, run/setup.py ``open_doorbell``): on one node
 every neighbour's hello arrives, so a bell covers its rank where the window and transport let a
 ring mean a visible change; and a small MPI message is in the receiver's queue by the time the
-ring it was followed by wakes the receiver (what ``bell_covers`` relies on for proposals).
+ring it was followed by wakes the receiver (what ``bell_covers`` relies on for proposals); every
+rank of the replica hears every other's hello, so joining a job's collective rings the others,
+and a rank waiting at a deal sleeps up to ``QUIET_S`` between polls instead of polling every
+millisecond, and is dealt as soon as the last stage claims.
 
 The test launches this file under mpirun; as a script it is one rank of that run:
     mpirun -n 3 python tests/mpi/test_doorbell_ranks.py
@@ -69,16 +72,74 @@ def rank_main() -> None:
                 req.Wait()
             assert int(buf[0]) == k
         comm.Barrier()
+    # a deal over the replica: ranks 0 and 1 wait while rank 2 (the last stage) has not claimed
+    from pipespec_mpi.run.collect import VoteDeal
+    from pipespec_mpi.run.setup import ringing_collectives
+    from pipespec_mpi.stage.deal import JobQueue
+    from pipespec_mpi.stage.loop import Step
+    from pipespec_mpi.stage.process import drive
+
+    peers = ringing_collectives(kept, pl)
+    assert peers == [r for r in range(3) if r != world.rank], peers
+    assert kept.heard == set(peers)
+
+    class CountingBell:
+        covers = True
+
+        def __init__(self, bell):
+            self.bell, self.waits = bell, 0
+
+        def wait(self, timeout_s: float) -> bool:
+            self.waits += 1
+            return self.bell.wait(timeout_s)
+
+    class AtTheDeal:
+        def __init__(self, deal):
+            self.deal, self.got = deal, None
+
+        def step(self):
+            self.got = self.deal.dealt()
+            return Step.WAITING if self.got is None else Step.DONE
+
+        def rung(self):
+            return False
+
+        def patient(self):
+            return True
+
+        recheck_at = None
+
+        def describe(self):
+            return "at the deal"
+
+    import time
+
+    from pipespec_mpi.comm.doorbell import RingingDeal
+
+    counting = CountingBell(kept)
+    claim_after = 0.5
+    deal = RingingDeal(VoteDeal(comm, JobQueue(3) if world.rank == 2 else None), kept, peers)
+    if world.rank == 2:
+        time.sleep(claim_after)  # the last stage still decodes its job
+    deal.open()
+    waiter = AtTheDeal(deal)
+    drive(waiter, stall_timeout_s=30, bell=counting)
+    assert waiter.got == 0, waiter.got
+    if world.rank != 2:  # polled every ms, it would have woken ~500 times
+        assert counting.waits < claim_after / 0.01 + 40, counting.waits
+    waits = comm.gather(counting.waits)
     kept.close()
     if world.rank == 1:
         print(f"doorbell ok: {late} of {ROUNDS} messages not there when rung", flush=True)
+    if world.rank == 0:
+        print(f"deal ok: wake-ups per rank {waits}", flush=True)
 
 
 def test_doorbells_between_three_ranks():
     from conftest import run_ranks
 
     out = run_ranks(__file__, 3, [])
-    assert "doorbell ok: 0 of" in out, out
+    assert "doorbell ok: 0 of" in out and "deal ok" in out, out
 
 
 if __name__ == "__main__":

@@ -179,3 +179,24 @@ def test_a_batched_stage_sleeps_on_its_bell_only_when_every_live_slot_does():
     assert not StageLoop.rung(owing)
     assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sent": 2}))
     assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sender": None}))
+
+
+def test_a_batched_stage_is_patient_only_when_every_live_slot_is():
+    """``patient``: each live slot rung, or at a collective whose other stages ring it."""
+    from types import SimpleNamespace
+
+    from pipespec_mpi.stage.process import StageProcess
+
+    def proc(phase: str, rings: bool, rung: bool = False) -> StageProcess:
+        p = StageProcess.__new__(StageProcess)  # the phase and the flag are all patient() reads
+        p.phase, p.collectives_ring = phase, rings
+        p.loop = SimpleNamespace(rung=lambda: rung)
+        return p
+
+    assert proc("deal", True).patient() and proc("gate", True).patient() and proc("handoff", True).patient()
+    assert not proc("deal", False).patient()  # nobody rings it: poll as before
+    assert proc("decode", False, rung=True).patient() and not proc("decode", True).patient()
+    stage = BatchedStage([proc("deal", True), proc("decode", True)], clock=SimpleNamespace(now=lambda: 0))
+    assert not stage.patient()  # the decoding slot owes a send: it polls
+    stage.done[1] = True
+    assert stage.patient()

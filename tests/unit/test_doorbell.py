@@ -10,7 +10,15 @@ import time
 
 import pytest
 
-from pipespec_mpi.comm.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
+from pipespec_mpi.comm.doorbell import (
+    Doorbell,
+    RingingDeal,
+    RingingGate,
+    RingingHandoff,
+    RingingSender,
+    RingingWindow,
+    bell_covers,
+)
 from pipespec_mpi.stage.loop import Step
 from pipespec_mpi.stage.ports import Header
 from pipespec_mpi.stage.process import QUIET_S, drive
@@ -78,15 +86,16 @@ def test_a_bell_of_another_job_is_not_rung():
 class FakeBell:
     covers = True
 
-    def __init__(self):
+    def __init__(self, rings=()):
         self.rung, self.waits = [], []
+        self.rings = set(rings)  # the waits (by number) a ring ends
 
     def ring(self, rank):
         self.rung.append(rank)
 
     def wait(self, timeout_s):
         self.waits.append(timeout_s)
-        return False
+        return len(self.waits) in self.rings
 
 
 class FakeWindow:
@@ -152,17 +161,64 @@ def test_what_a_bell_covers(window, transport, leviathan, heard, covers):
     assert bell_covers(window, transport, leviathan, {0, 2}, heard) is covers
 
 
+class FakeCollective:
+    """A gate, deal and handoff at once, recording what was joined before anyone was rung."""
+
+    def __init__(self, bell):
+        self.bell, self.joined = bell, []
+
+    def _join(self, what):
+        assert not self.bell.rung  # joined before anyone is rung
+        self.joined.append(what)
+
+    def open(self, seq=None):
+        self._join(("open", seq))
+
+    def post(self, job, outcome):
+        self._join(("post", job))
+
+    def passed(self):
+        return True
+
+    def stopped(self):
+        return False
+
+    def dealt(self):
+        return 4
+
+    def delivered(self):
+        return True
+
+
+@pytest.mark.parametrize("port, join, wait, answer", [
+    (RingingGate, lambda p: p.open(3), lambda p: (p.passed(), p.stopped()), (True, False)),
+    (RingingDeal, lambda p: p.open(), lambda p: p.dealt(), 4),
+    (RingingHandoff, lambda p: p.post("job", "outcome"), lambda p: p.delivered(), True),
+])  # fmt: skip
+def test_joining_a_collective_rings_the_replicas_other_stages(port, join, wait, answer):
+    bell = FakeBell()
+    inner = FakeCollective(bell)
+    p = port(inner, bell, [0, 2])
+    join(p)
+    assert len(inner.joined) == 1 and bell.rung == [0, 2]
+    assert wait(p) == answer  # waiting on it asks the collective and rings nobody
+    assert bell.rung == [0, 2]
+
+
 class Stepper:
     """A scripted steppable that says whether a ring covers its wait and when to recheck."""
 
-    def __init__(self, steps, rung=True, recheck_at=None):
-        self.steps, self._rung, self.recheck_at = list(steps), rung, recheck_at
+    def __init__(self, steps, rung=True, recheck_at=None, patient=False):
+        self.steps, self._rung, self.recheck_at, self._patient = list(steps), rung, recheck_at, patient
 
     def step(self):
         return self.steps.pop(0) if self.steps else Step.DONE
 
     def rung(self):
         return self._rung
+
+    def patient(self):
+        return self._rung or self._patient
 
     def describe(self):
         return "scripted stage"
@@ -188,3 +244,17 @@ def test_drive_polls_with_backoff_where_the_bell_does_not_cover():
     bell.covers = False
     drive(Stepper([Step.WAITING, Step.PROGRESS, Step.WAITING]), stall_timeout_s=60, bell=bell)
     assert bell.waits == pytest.approx([20e-6, 20e-6])  # progress starts the backoff again
+
+
+def test_drive_backs_off_to_the_quiet_limit_at_a_ringing_collective_and_polls_again_when_rung():
+    bell = FakeBell(rings={11})
+    drive(Stepper([Step.WAITING] * 13, rung=False, patient=True), stall_timeout_s=60, bell=bell)
+    doubling = [20e-6 * 2**i for i in range(9)]  # 20 us .. 5.12 ms
+    assert bell.waits == pytest.approx([*doubling, QUIET_S, QUIET_S, 20e-6, 40e-6])
+    bell = FakeBell()
+    drive(Stepper([Step.WAITING] * 12, rung=False, patient=True, recheck_at=100.002), 60, bell, lambda: 100.0)
+    assert max(bell.waits) == pytest.approx(0.002)  # a slot's recheck still cuts the sleep
+    bell = FakeBell()
+    bell.covers = False  # rings may not come: the 1 ms polls of old
+    drive(Stepper([Step.WAITING] * 9, rung=False, patient=True), stall_timeout_s=60, bell=bell)
+    assert max(bell.waits) == pytest.approx(1e-3)
