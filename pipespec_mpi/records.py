@@ -280,7 +280,7 @@ class MethodSummary:
     # sees): p50, p90, mean
     sequence_ms_per_token: dict[str, float] = field(default_factory=dict)
     rows_not_decoded: int = 0  # the run's rows in errors.jsonl (the same in every method's entry)
-    # the threads (GPUs) of a replica's ranks times the decoding wall, per million tokens
+    # the CPUs (GPUs) a replica's ranks hold times the decoding wall, per million tokens
     core_hours_per_million_tokens: float | None = None
     gpu_hours_per_million_tokens: float | None = None
     # GPU runs only (absent from the file otherwise)

@@ -8,7 +8,7 @@ on consecutive ranks (the same node where they fit), which keeps proposal traffi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipespec_mpi.errors import UserError
 
@@ -114,6 +114,10 @@ class CpuShare:
 
     threads: int
     cpus: tuple[int, ...] | None = None
+    # The node's CPUs this rank accounts for in a cost (``core_hours_per_million_tokens``): the
+    # ranks of a node together account for all of its CPUs, a model-free stage beside model
+    # stages for none (it borrows a thread of theirs). Not where it computes: equality ignores it.
+    cores: float | None = field(default=None, compare=False)
 
 
 def share_cpus(
@@ -136,22 +140,23 @@ def share_cpus(
     CPUs, each pipeline's last stage gets a CPU of its own (the last ones) and the other ranks
     share the rest, in the phases that bind (``binds``). Needs a CPU left over for the others:
     with as many last stages as CPUs or more, nobody binds. ``threads`` (the stage's own
-    setting) overrides the count, never the CPUs."""
+    setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for)."""
     mine = affinities[rank]
     node = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     if any(affinities[r] != mine for r in node):
-        return CpuShare(threads or len(mine))
+        return CpuShare(threads or len(mine), cores=len(mine))
     cpus = sorted(mine)
     lasts = [r for r in node if r % n_stages == n_stages - 1]
     if len(node) <= len(cpus) or len(cpus) <= len(lasts):
-        if rank % n_stages in light:
-            return CpuShare(threads or 1)
         models = sum(r % n_stages not in light for r in node)
-        return CpuShare(threads or max(1, len(cpus) // models))
+        if rank % n_stages in light:
+            return CpuShare(threads or 1, cores=0.0 if models else len(cpus) / len(node))
+        return CpuShare(threads or max(1, len(cpus) // models), cores=len(cpus) / models)
     rest = cpus[: len(cpus) - len(lasts)]
     if rank in lasts:
-        return CpuShare(threads or 1, (cpus[len(rest) + lasts.index(rank)],))
-    return CpuShare(threads or max(1, len(rest) // (len(node) - len(lasts))), tuple(rest))
+        return CpuShare(threads or 1, (cpus[len(rest) + lasts.index(rank)],), cores=1.0)
+    others = len(node) - len(lasts)
+    return CpuShare(threads or max(1, len(rest) // others), tuple(rest), cores=len(rest) / others)
 
 
 def binds(mode: str, batch_size: int) -> bool:

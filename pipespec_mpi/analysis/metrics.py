@@ -213,7 +213,7 @@ class _Group:
         self.token_latencies = array("d")
         self.stages = [_StageTotals(st.model) for st in first.stages]
         self.energy_j: dict[tuple[int, int], float] = {}  # per (rank, device)
-        self.threads = 0  # the most of one record's ranks together (``_cost``)
+        self.cores = 0.0  # the most of one record's ranks together (``_cost``)
         self.n_gpus = 0
 
     def add(self, r: Record) -> None:
@@ -230,7 +230,7 @@ class _Group:
             for g in st.gpus:
                 key = (st.rank, g["device"])
                 self.energy_j[key] = self.energy_j.get(key, 0.0) + g["energy_j"]
-        self.threads = max(self.threads, sum(st.threads for st in r.stages))
+        self.cores = max(self.cores, sum(st.threads if st.cores is None else st.cores for st in r.stages))
         self.n_gpus = max(self.n_gpus, sum(st.n_gpus for st in r.stages))
 
     def summary(self) -> MethodSummary:
@@ -254,7 +254,7 @@ class _Group:
             method=self.method,
             sequence_ms_per_token=_sequence_ms(self.sequence_ms),
             **_energy(self.energy_j, tokens),
-            **_cost(self.threads, self.n_gpus, tokens, wall),
+            **_cost(self.cores, self.n_gpus, tokens, wall),
         )
 
 
@@ -306,10 +306,12 @@ def summarize(records: Iterable[Record]) -> dict[str, MethodSummary]:
     return totals.summary()
 
 
-def _cost(cores: int, gpus: int, tokens: int, wall: float) -> dict:
-    """Core-hours (GPU-hours on GPUs) per million output tokens: the threads (GPUs) of one
-    replica's ranks (the most of any record) times the method's decoding wall time (summed over
-    replicas), over its tokens. Absent from records that predate the counts."""
+def _cost(cores: float, gpus: int, tokens: int, wall: float) -> dict:
+    """Core-hours (GPU-hours on GPUs) per million output tokens: the CPUs (GPUs) one replica's
+    ranks hold (the most of any record: their ``cores``, each model stage its share of the node
+    and a model-free stage beside them none; records from before the field count threads) times
+    the method's decoding wall time (summed over replicas), over its tokens. Absent from records
+    that predate the counts."""
     if not tokens:
         return {}
     out = {}

@@ -111,6 +111,7 @@ class LeaderHandoff:
         outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if self.cpus is not None:
             outcome.stats.threads, outcome.stats.cpus = self.cpus.threads, self.cpus.bound
+            outcome.stats.cores = self.cpus.cores
         outcome.stats.n_gpus = self.n_gpus
         if self.stage != self.leader:
             self.req = self.comm.isend(outcome.stats, dest=self.leader, tag=STATS_TAG)

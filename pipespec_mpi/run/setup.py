@@ -66,6 +66,10 @@ class CpuPlacement:
         return self.share.threads
 
     @property
+    def cores(self) -> float | None:
+        return self.share.cores
+
+    @property
     def where(self) -> str:
         """Where it computes, for the log."""
         bound_at = {b: binds(self.mode, b) for b in (1, 2)}

@@ -177,6 +177,14 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
         cores * costed.wall_s / 3600 / costed.n_tokens * 1e6
     )
     assert costed.gpu_hours_per_million_tokens is None
+    # with the cores each rank holds: a model-free stage 0 beside the others holds none
+    for r in recs:
+        for i, st in enumerate(r.stages):
+            st.cores = 0.0 if i == 0 else 1.0
+    held = summarize(recs)["pipespec"]
+    assert held.core_hours_per_million_tokens == pytest.approx(
+        (len(recs[0].stages) - 1) * held.wall_s / 3600 / held.n_tokens * 1e6
+    )
     write_summary(tmp_path / "costed.json", {"pipespec": costed})
     assert read_summary(tmp_path / "costed.json")["pipespec"] == costed
 

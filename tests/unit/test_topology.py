@@ -78,6 +78,29 @@ def test_a_model_free_stage_leaves_the_cores_to_the_model_stages():
     assert shares(["a"] * 2, [{0, 1}] * 2, 2, threads=3, light=frozenset({0})) == [CpuShare(3)] * 2
 
 
+@pytest.mark.parametrize(
+    "hosts, affinities, n_stages, light, cores",
+    [
+        (["a"] * 2, [{0, 1}] * 2, 2, {0}, [0, 2]),  # suffix -> target on 2 cores: both the target's
+        (["a"] * 3, [range(4)] * 3, 3, {0}, [0, 2, 2]),
+        (["a"] * 3, [range(6)] * 3, 3, set(), [2, 2, 2]),
+        (["a"] * 4, [range(8)] * 4, 2, {0}, [0, 4, 0, 4]),  # two replicas, 4 each
+        (["a"] * 3, [{0, 1}] * 3, 3, {0}, [0.5, 0.5, 1]),  # outnumbered: the last stage's own CPU
+        (["a"] * 6, [{0, 1}] * 6, 3, set(), [1 / 3] * 6),  # too few for a spare: all share
+        (["a"] * 3, [{0}, {1}, {2, 3}], 3, {0}, [1, 1, 2]),  # a launcher's binding: held
+        (["a", "b"], [{0, 1}, {0, 1}], 2, {0}, [2, 2]),  # a drafter alone on its node holds it
+    ],
+)
+def test_the_cores_a_rank_accounts_for_add_up_to_its_nodes(hosts, affinities, n_stages, light, cores):
+    got = shares(hosts, affinities, n_stages, light=frozenset(light))
+    assert [g.cores for g in got] == pytest.approx(cores)
+    for host in set(hosts):  # a node's ranks account for every CPU it has, no more
+        on = [r for r, h in enumerate(hosts) if h == host]
+        if all(affinities[r] == affinities[on[0]] for r in on):
+            assert sum(got[r].cores for r in on) == pytest.approx(len(set(affinities[on[0]])))
+    assert shares(["a"] * 2, [{0, 1}] * 2, 2, threads=3, light=frozenset({0}))[0].cores == 0  # not threads
+
+
 def test_batched_phases_bind_under_auto_and_batch_1_does_not():
     assert [binds("auto", b) for b in (1, 2, 16)] == [False, True, True]
     assert [binds("always", b) for b in (1, 4)] == [True, True]
