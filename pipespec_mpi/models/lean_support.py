@@ -74,14 +74,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary). In
-    float32 with a float32 weight, ``torch.rms_norm``: ATen's CPU rms_norm is the same ops in
-    C++ (pow, mean, add eps, rsqrt, two multiplies; h * weight, the same products), bitwise
-    LlamaRMSNorm's (tests/unit/test_lean.py), at half the cost of six calls from Python (13 us
-    against 25 for a [1, 1, 576] row; 61 norms per SmolLM2 step; 2-core Xeon, 2026-12-05)."""
+    """LlamaRMSNorm.forward, op for op (in place where the value is a fresh temporary)."""
     input_dtype = h.dtype
-    if input_dtype is torch.float32 and weight.dtype is torch.float32:
-        return torch.rms_norm(h, (h.shape[-1],), weight, eps)
     if input_dtype is not torch.float32:
         h = h.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
