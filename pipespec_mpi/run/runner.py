@@ -92,7 +92,8 @@ class Runner:
         with watchdog.phase("channels and windows"):
             slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
-        ringing = setup.ringing_collectives(self.bell, pl)
+        peers = setup.collective_peers(pl)  # rung when this rank joins a job's collective
+        patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
         loops = [
             setup.stage_loop(cfg, pl, loaded, ln, slot=s, bell=self.bell) for s, ln in enumerate(slot_links)
@@ -132,14 +133,14 @@ class Runner:
             )  # fmt: skip
             gate = VoteGate(comm, stop)
             deal = None if queue is None else VoteDeal(comm, queue if pl.is_last else None)
-            if ringing is not None:  # joining one rings the replica's other stages
-                gate = RingingGate(gate, self.bell, ringing)
-                handoff = RingingHandoff(handoff, self.bell, ringing)
-                deal = None if deal is None else RingingDeal(deal, self.bell, ringing)
+            if self.bell is not None:  # joining one rings the replica's other stages
+                gate = RingingGate(gate, self.bell, peers)
+                handoff = RingingHandoff(handoff, self.bell, peers)
+                deal = None if deal is None else RingingDeal(deal, self.bell, peers)
             return StageProcess(
                 loops[s], gate, handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
-                deal=deal, collectives_ring=ringing is not None,
+                deal=deal, collectives_ring=patient,
             )  # fmt: skip
 
         # A round of rows at a time (run/rows.py): plan its jobs, decode them, then every replica

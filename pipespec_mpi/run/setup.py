@@ -308,9 +308,9 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
 
 def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Doorbell | None:
     """This rank's doorbell (comm/doorbell.py; collective over the world): rank 0 draws the job's
-    token, every rank binds its bell and rings its neighbours once; whether the bell covers the
-    rank: ``bell_covers``; which of the replica's ranks its rings reach: ``heard``. None where the
-    OS has no abstract sockets, or ``run.doorbell`` is off."""
+    token, every rank binds its bell and rings the replica's other ranks once; whether the bell
+    covers the rank: ``bell_covers``; whose hello came: ``heard``. None where the OS has no
+    abstract sockets, or ``run.doorbell`` is off."""
     if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
@@ -340,13 +340,11 @@ def collective_peers(pl: Placement) -> list[int]:
     return [r for r in pl.replica_ranks() if r != pl.world_rank]
 
 
-def ringing_collectives(bell: Doorbell | None, pl: Placement) -> list[int] | None:
-    """Whom this rank rings when it joins a collective of a job, where the bell covers the rank
-    and every other stage of the replica heard its hello (so they ring it back); else None."""
-    peers = collective_peers(pl)
-    if bell is None or not bell.covers or not set(peers) <= bell.heard:
-        return None
-    return peers
+def patient_at_collectives(bell: Doorbell | None, pl: Placement) -> bool:
+    """Whether this rank may wait at a job's collectives between rings (``drive``'s patient
+    waits): its bell covers it and every other stage of the replica reached it with a hello, so
+    their rings when they join (every rank with a bell rings) reach it too."""
+    return bell is not None and bell.covers and set(collective_peers(pl)) <= bell.heard
 
 
 def stage_loop(

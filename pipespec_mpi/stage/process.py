@@ -100,7 +100,8 @@ class StageProcess:
     ) -> None:
         self.loop, self.gate, self.handoff = loop, gate, handoff
         # every other stage of the replica rings this rank when it joins the deal, the gate or
-        # the handoff (comm/doorbell.py RingingCollectives): waits there may sleep longer
+        # the handoff (comm/doorbell.py RingingGate, RingingDeal, RingingHandoff): waits there
+        # may sleep longer
         self.collectives_ring = collectives_ring
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
         self.deal = deal if deal is not None else InTurn(len(self.jobs))
@@ -182,7 +183,8 @@ class StageProcess:
 
     def rung(self) -> bool:
         """Decoding, nothing left unsent: only a neighbour or its policy's recheck moves it (the
-        start gate, the deal and the handoff are MPI collectives that ring nobody)."""
+        start gate, the deal and the handoff are MPI collectives: a ring there says a member
+        joined, not that the collective completed; see ``patient``)."""
         return self.phase == "decode" and self.loop.rung()
 
     def patient(self) -> bool:
