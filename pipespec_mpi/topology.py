@@ -59,6 +59,12 @@ class Placement:
         return [r for r in (self.upstream, self.downstream) if r is not None]
 
     @property
+    def peers(self) -> list[int]:
+        """World ranks of the replica's other stages: the members of its jobs' deal, start gate
+        and handoff (the neighbours among them)."""
+        return [r for r in self.replica_ranks() if r != self.world_rank]
+
+    @property
     def leader(self) -> int:
         """The replica's last stage: it holds the answer and writes the replica's results."""
         return self.rank_of(self.n_stages - 1)

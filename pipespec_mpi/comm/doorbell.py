@@ -165,20 +165,28 @@ class RingingSender:
         return n
 
 
-def _ring_all(bell: Doorbell, peers: Sequence[int]) -> None:
-    for p in peers:
-        bell.ring(p)
+class _RingsPeers:
+    """What a collective's ringing port holds: the bell, and ``peers`` (the replica's other
+    stages) to ring once this stage joined."""
+
+    def __init__(self, bell: Doorbell, peers: Iterable[int]) -> None:
+        self.bell, self.peers = bell, tuple(peers)
+
+    def _ring(self) -> None:
+        for p in self.peers:
+            self.bell.ring(p)
 
 
-class RingingGate:
-    """A start gate that rings ``peers`` (the replica's other stages) once this stage joined it."""
+class RingingGate(_RingsPeers):
+    """A start gate that rings ``peers`` once this stage joined it."""
 
     def __init__(self, gate: Gate, bell: Doorbell, peers: Iterable[int]) -> None:
-        self.gate, self.bell, self.peers = gate, bell, tuple(peers)
+        super().__init__(bell, peers)
+        self.gate = gate
 
     def open(self, seq: int) -> None:
         self.gate.open(seq)
-        _ring_all(self.bell, self.peers)
+        self._ring()
 
     def passed(self) -> bool:
         return self.gate.passed()
@@ -187,29 +195,31 @@ class RingingGate:
         return self.gate.stopped()
 
 
-class RingingDeal:
+class RingingDeal(_RingsPeers):
     """A deal that rings ``peers`` once this stage asked for its slot's next job."""
 
     def __init__(self, deal: Deal, bell: Doorbell, peers: Iterable[int]) -> None:
-        self.deal, self.bell, self.peers = deal, bell, tuple(peers)
+        super().__init__(bell, peers)
+        self.deal = deal
 
     def open(self) -> None:
         self.deal.open()
-        _ring_all(self.bell, self.peers)
+        self._ring()
 
     def dealt(self) -> int | None:
         return self.deal.dealt()
 
 
-class RingingHandoff:
+class RingingHandoff(_RingsPeers):
     """A handoff that rings ``peers`` once this stage posted its outcome (the leader waits for it)."""
 
     def __init__(self, handoff: Handoff, bell: Doorbell, peers: Iterable[int]) -> None:
-        self.handoff, self.bell, self.peers = handoff, bell, tuple(peers)
+        super().__init__(bell, peers)
+        self.handoff = handoff
 
     def post(self, job: Job, outcome: StageOutcome) -> None:
         self.handoff.post(job, outcome)
-        _ring_all(self.bell, self.peers)
+        self._ring()
 
     def delivered(self) -> bool:
         return self.handoff.delivered()

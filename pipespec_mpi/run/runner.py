@@ -92,7 +92,6 @@ class Runner:
         with watchdog.phase("channels and windows"):
             slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
-        peers = setup.collective_peers(pl)  # rung when this rank joins a job's collective
         patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
         loops = [
@@ -134,9 +133,9 @@ class Runner:
             gate = VoteGate(comm, stop)
             deal = None if queue is None else VoteDeal(comm, queue if pl.is_last else None)
             if self.bell is not None:  # joining one rings the replica's other stages
-                gate = RingingGate(gate, self.bell, peers)
-                handoff = RingingHandoff(handoff, self.bell, peers)
-                deal = None if deal is None else RingingDeal(deal, self.bell, peers)
+                gate = RingingGate(gate, self.bell, pl.peers)
+                handoff = RingingHandoff(handoff, self.bell, pl.peers)
+                deal = None if deal is None else RingingDeal(deal, self.bell, pl.peers)
             return StageProcess(
                 loops[s], gate, handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,

@@ -317,7 +317,7 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
     bell = Doorbell.open(token, world.rank)
     sleep_at_barrier(world.comm)  # every bell bound
     if bell is not None:
-        for r in collective_peers(pl):  # the neighbours among them
+        for r in pl.peers:
             bell.ring(r)
     sleep_at_barrier(world.comm)  # every hello in its bell's queue (a local datagram is, once sent)
     if bell is None:
@@ -325,7 +325,7 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
     kind = window_kind(cfg.run.epochs_window, world.hosts, pl.n_stages)
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     bell.heard = frozenset(bell.drain())
-    bell.covers = bell_covers(kind, loaded.transport, leviathan, set(pl.neighbours), set(bell.heard))
+    bell.covers = bell_covers(kind, loaded.transport, leviathan, set(pl.neighbours), bell.heard)
     log.info(
         "waiting stages sleep until a neighbour rings (doorbell)"
         if bell.covers
@@ -335,16 +335,11 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
     return bell
 
 
-def collective_peers(pl: Placement) -> list[int]:
-    """The replica's other ranks: the members of its jobs' deal, start gate and handoff."""
-    return [r for r in pl.replica_ranks() if r != pl.world_rank]
-
-
 def patient_at_collectives(bell: Doorbell | None, pl: Placement) -> bool:
     """Whether this rank may wait at a job's collectives between rings (``drive``'s patient
-    waits): its bell covers it and every other stage of the replica reached it with a hello, so
-    their rings when they join (every rank with a bell rings) reach it too."""
-    return bell is not None and bell.covers and set(collective_peers(pl)) <= bell.heard
+    waits, where its bell covers it): every other stage of the replica reached it with a hello,
+    so their rings when they join (every rank with a bell rings) reach it too."""
+    return bell is not None and set(pl.peers) <= bell.heard
 
 
 def stage_loop(

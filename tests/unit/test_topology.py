@@ -128,3 +128,9 @@ def test_a_stage_s_neighbours_are_the_stages_beside_it_in_its_replica():
     assert place(1, 6, 3).neighbours == [0, 2]
     assert place(5, 6, 3).neighbours == [4]  # replica 1's last stage
     assert place(0, 1, 1).neighbours == []
+
+
+def test_a_stage_s_peers_are_the_other_stages_of_its_replica():
+    assert place(1, 6, 3).peers == [0, 2]
+    assert place(3, 6, 3).peers == [4, 5]  # replica 1's first stage
+    assert place(0, 1, 1).peers == []
