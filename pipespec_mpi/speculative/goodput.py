@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MIN_COST_S = 1e-9  # a forward timed at zero (a coarse clock, the explorer's ticks) still costs
 MAX_POSITIONS = 65  # draft positions / distances tracked (decode.max_verify and max_run_ahead <= 64)
@@ -136,47 +137,82 @@ def allot_rows(survivals: Sequence[Sequence[float]], budget: int, threshold: flo
     return taken
 
 
+class RowLine(NamedTuple):
+    """A batched forward's seconds, C(B, e) = fixed + per_slot B + per_row e, for B slots (each
+    with its own row: a step's token, a verification's correction or bonus) and e verification
+    rows beyond them."""
+
+    fixed: float
+    per_slot: float
+    per_row: float
+
+
 class RowCost:
-    """A batched forward's seconds as a line in its rows, C(n) = alpha + beta n, fitted by least
-    squares over the forwards run, each weighted (1 - ``rate``) per forward since (so the line
-    follows a node whose speed drifts). On CPUs a row is arithmetic: with the target on both cores
-    of the 2-core Xeon with AMX its batched forwards took 16 ms for one row, 29 ms for four and
-    43-53 ms for 8-14 (held-out code, 2026-12-05), so a verification row cost about half a slot's
-    share of a four-slot forward; on a memory-bound GPU beta is near 0 and every row pays."""
+    """A batched forward's seconds fitted as a ``RowLine`` by least squares over the forwards run,
+    each weighted (1 - ``rate``) per forward since (so the line follows a node whose speed drifts).
+    On CPUs a row is arithmetic: with the target on both cores of the 2-core Xeon with AMX its
+    batched forwards took 16 ms for one row, 29 ms for four and 43-53 ms for 8-14 (held-out code,
+    2026-12-05), so a verification row cost about half a slot's share of a four-slot forward; on a
+    memory-bound GPU a row is nearly free and every row pays.
+
+    A slot and a verification row are fitted apart: where a slot costs more than a row (tiny
+    models: a slot is a sequence's bookkeeping, a row nearly free), one line in all rows measured
+    from steps alone (rows = slots) gives a verification row a slot's price, so no row paid, no
+    verification ran to show otherwise, and a 4-slot job verified nothing at all. The per-row cost
+    is known only from forwards whose verification rows varied apart from their slots; until then,
+    and again once a long run of forwards without verifications has faded them, ``line`` is None
+    and every row pays, so the rows keep being measured."""
 
     def __init__(self, rate: float = 0.05) -> None:
         self.rate = rate
-        self.w = self.x = self.y = self.xx = self.xy = 0.0  # weighted sums
+        # weighted sums of 1, B, e, C and their products
+        self.w = self.b = self.e = self.c = self.bb = self.ee = self.be = self.bc = self.ec = 0.0
 
-    def observe(self, rows: int, seconds: float) -> None:
-        keep = 1.0 - self.rate
+    def observe(self, slots: int, rows: int, seconds: float) -> None:
+        """A forward of ``slots`` slots and ``rows`` rows in all took ``seconds``."""
+        keep, e = 1.0 - self.rate, rows - slots
         self.w = keep * self.w + 1.0
-        self.x = keep * self.x + rows
-        self.y = keep * self.y + seconds
-        self.xx = keep * self.xx + rows * rows
-        self.xy = keep * self.xy + rows * seconds
+        self.b = keep * self.b + slots
+        self.e = keep * self.e + e
+        self.c = keep * self.c + seconds
+        self.bb = keep * self.bb + slots * slots
+        self.ee = keep * self.ee + e * e
+        self.be = keep * self.be + slots * e
+        self.bc = keep * self.bc + slots * seconds
+        self.ec = keep * self.ec + e * seconds
 
-    def line(self) -> tuple[float, float] | None:
-        """(alpha, beta), or None until the forwards differed enough in rows to show a slope."""
+    def line(self) -> RowLine | None:
+        """The fitted line, or None until verification rows varied enough, apart from the slots,
+        to show what one costs."""
         if self.w < 2.0:
             return None
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var < 0.25:  # (all but) every forward of the same width
-            return None
-        beta = (self.xy / self.w - mx * my) / var
-        return max(0.0, my - beta * mx), beta
+        w = self.w
+        mb, me, mc = self.b / w, self.e / w, self.c / w
+        vb, ve = self.bb / w - mb * mb, self.ee / w - me * me
+        cbe, cbc, cec = self.be / w - mb * me, self.bc / w - mb * mc, self.ec / w - me * mc
+        if vb < 0.25:  # (all but) every forward of the same slots: their cost is in the fixed part
+            if ve < 0.25:
+                return None
+            per_slot, per_row = 0.0, cec / ve
+        else:
+            det = vb * ve - cbe * cbe
+            if det < 0.25 * vb:  # e's variance not explained by B (det / vb) is under 0.25
+                return None
+            per_slot, per_row = (cbc * ve - cec * cbe) / det, (cec * vb - cbc * cbe) / det
+        fixed = mc - per_slot * mb - per_row * me
+        return RowLine(max(0.0, fixed), max(0.0, per_slot), per_row)
 
 
-def row_threshold(line: tuple[float, float] | None, forwards: int) -> float:
-    """The survival S a verification row of a batched forward of ``forwards`` slots must reach to
-    pay for itself: S (alpha / B + beta) >= beta. A committed token is worth what a slot's own row
-    of the forward costs (alpha / B + beta: the token it saves the slot later); the row costs beta.
-    0 (every row pays) while the line is unknown or flat."""
-    if line is None or line[1] <= 0.0:
+def row_threshold(line: RowLine | None, forwards: int) -> float:
+    """The survival S a verification row of a batched forward of ``forwards`` slots B must reach
+    to pay for itself: S (fixed / B + per_slot) >= per_row. A committed token is worth what a
+    slot's own share of the forward costs (the token it saves the slot later); the row costs
+    per_row. 0 (every row pays) while the line is unknown or rows are free; above 1 (none pays)
+    where a slot's share is free and a row is not."""
+    if line is None or line.per_row <= 0.0:
         return 0.0
-    alpha, beta = line
-    return beta / (alpha / max(1, forwards) + beta)
+    share = line.fixed / max(1, forwards) + line.per_slot
+    return line.per_row / share if share > 0.0 else math.inf
 
 
 def survivals(accept: Sequence[float], n: int) -> list[float]:

@@ -24,13 +24,13 @@ and PipeSpec went from 0.97-0.99x to 1.02-1.12x batched AR (16 code prompts, doc
 Under ``decode.policy=adaptive`` the slots' verifications share one budget of
 ``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most
 likely to be committed (``goodput.allot_rows``), and only to those whose row pays for itself: the
-stage fits its batched forwards' seconds as a line in their rows (``goodput.RowCost``), and a
-pair is taken only while its survival times a slot's share of the forward is at least what the
-row costs (``goodput.row_threshold``). A slot left with no rows takes a one-token step of its own
-this time and keeps its proposals (the static policy caps each slot at rows // B - 1). With the
-target on both cores of a 2-core Xeon, the budget alone let four slots verify up to 7 proposals
-each in forwards of 16-53 ms, against 22 ms for batched AR's four rows: PipeSpec ran at 0.88x
-batched AR at B=4 on held-out code.
+stage fits its batched forwards' seconds as a line in their slots and verification rows
+(``goodput.RowCost``), and a pair is taken only while its survival times a slot's share of the
+forward is at least what the row costs (``goodput.row_threshold``). A slot left with no rows
+takes a one-token step of its own this time and keeps its proposals (the static policy caps each
+slot at rows // B - 1). With the target on both cores of a 2-core Xeon, the budget alone let
+four slots verify up to 7 proposals each in forwards of 16-53 ms, against 22 ms for batched AR's
+four rows: PipeSpec ran at 0.88x batched AR at B=4 on held-out code.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class BatchedStage:
             forwards = self._allot(forwards)
             t0 = self.clock.now()
             logits = self.score([(slot.loop.model, f.seq, f.proposal) for slot, f in forwards])
-            self.row_cost.observe(sum(len(f.proposal) + 1 for _, f in forwards), self.clock.now() - t0)
+            rows = sum(len(f.proposal) + 1 for _, f in forwards)
+            self.row_cost.observe(len(forwards), rows, self.clock.now() - t0)
             for (slot, f), rows in zip(forwards, logits, strict=True):
                 slot.complete(f, rows, t0)
             self.batches += 1

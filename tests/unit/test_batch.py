@@ -145,8 +145,9 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
     stage = BatchedStage([good, poor, worse], clock=SimpleNamespace(now=lambda: 0.0))
     asked = [(sl, Forward(Act.VERIFY, [1, 2], [5, 6, 7, 8])) for sl in (good, poor, worse)]
     assert [len(f.proposal) for _, f in stage._allot(asked)] == [4, 4, 4]  # 15 rows: within 16
-    for n in range(1, 15):  # 12 ms + 3 ms a row
-        stage.row_cost.observe(n, 0.012 + 0.003 * n)
+    for b in range(1, 4):  # 12 ms + 3 ms a row, a slot's own or a verification's
+        for e in range(11):
+            stage.row_cost.observe(b, b + e, 0.012 + 0.003 * (b + e))
     # three slots: a token is worth 4 + 3 ms, so a row pays from a survival of 3/7
     got = stage._allot(asked)
     assert [(f.act, len(f.proposal)) for _, f in got] == [(Act.VERIFY, 4), (Act.VERIFY, 1), (Act.OWN, 0)]

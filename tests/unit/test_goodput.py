@@ -11,6 +11,7 @@ from pipespec_mpi.speculative.goodput import (
     MAX_POSITIONS,
     Estimates,
     RowCost,
+    RowLine,
     allot_rows,
     choose,
     draft_reach,
@@ -269,24 +270,51 @@ def test_rows_that_do_not_pay_are_not_given_out():
     assert allot_rows([good, poor], 5, threshold=0.5) == [3, 0]  # and still within the budget
 
 
-def test_row_cost_fits_the_line_of_a_batched_forwards_rows():
+def test_row_cost_fits_a_batched_forwards_slots_and_verification_rows():
     rc = RowCost(rate=0.05)
     assert rc.line() is None
-    for _ in range(30):  # every forward four rows wide: no slope to see
-        rc.observe(4, 0.022)
+    for _ in range(30):  # every forward four slots verifying four rows each: no slope to see
+        rc.observe(4, 20, 0.022)
     assert rc.line() is None and row_threshold(rc.line(), 4) == 0.0
     rng = random.Random(0)
-    for _ in range(200):  # 12 ms + 3 ms a row, with noise
-        n = rng.randint(1, 14)
-        rc.observe(n, 0.012 + 0.003 * n + rng.uniform(-5e-4, 5e-4))
-    alpha, beta = rc.line()
-    assert alpha == pytest.approx(0.012, abs=1.5e-3) and beta == pytest.approx(0.003, abs=2e-4)
+    for _ in range(200):  # 12 ms + 3 ms a row, a slot's own or a verification's, with noise
+        b = rng.randint(1, 4)
+        n = b + rng.randint(0, 10)
+        rc.observe(b, n, 0.012 + 0.003 * n + rng.uniform(-5e-4, 5e-4))
+    fixed, per_slot, per_row = rc.line()
+    assert fixed == pytest.approx(0.012, abs=1.5e-3)
+    assert per_slot == pytest.approx(0.003, abs=5e-4) and per_row == pytest.approx(0.003, abs=2e-4)
     # four slots: a token is worth 3 + 3 ms, a row costs 3: half a chance of surviving pays
-    assert row_threshold((0.012, 0.003), 4) == pytest.approx(0.5)
-    assert row_threshold((0.012, 0.003), 1) == pytest.approx(0.2)  # one slot: the whole forward
-    assert row_threshold((0.04, 0.0), 4) == 0.0  # flat (a memory-bound GPU): every row pays
+    assert row_threshold(RowLine(0.012, 0.003, 0.003), 4) == pytest.approx(0.5)
+    assert row_threshold(RowLine(0.012, 0.003, 0.003), 1) == pytest.approx(0.2)  # one slot
+    assert row_threshold(RowLine(0.04, 0.0, 0.0), 4) == 0.0  # flat (a memory-bound GPU): all pay
+    assert row_threshold(RowLine(0.0, 0.0, 0.001), 4) > 1.0  # a slot's share free, a row not
     # the line follows a node that got slower per row
     for _ in range(200):
-        n = rng.randint(1, 14)
-        rc.observe(n, 0.012 + 0.006 * n)
-    assert rc.line()[1] == pytest.approx(0.006, abs=3e-4)
+        b = rng.randint(1, 4)
+        n = b + rng.randint(0, 10)
+        rc.observe(b, n, 0.012 + 0.006 * n)
+    assert rc.line().per_row == pytest.approx(0.006, abs=3e-4)
+
+
+def test_a_slot_that_costs_more_than_a_row_leaves_the_row_cost_unknown_until_rows_vary():
+    """Regression (a 4-slot sampling job on tiny models verified nothing at all): steps alone
+    (one row per slot) show what a slot costs, not what a verification row costs; priced as a slot,
+    no row paid, so no verification ever ran to measure one. Now the per-row cost stays unknown
+    (every row pays) until verification rows varied apart from the slots, and fades back to
+    unknown after a long run of forwards without them."""
+    rc = RowCost(rate=0.05)
+    for i in range(200):  # 1 ms + 2 ms a slot, no verification: the slots vary, the rows with them
+        b = 1 + i % 4
+        rc.observe(b, b, 0.001 + 0.002 * b)
+    assert rc.line() is None and row_threshold(rc.line(), 4) == 0.0
+    for i in range(40):  # verifications: a row costs 0.1 ms
+        b, e = 1 + i % 4, (3 * i) % 11
+        rc.observe(b, b + e, 0.001 + 0.002 * b + 0.0001 * e)
+    line = rc.line()
+    assert line.per_slot == pytest.approx(0.002, abs=1e-6) and line.per_row == pytest.approx(1e-4)
+    assert row_threshold(line, 4) == pytest.approx(1e-4 / (0.001 / 4 + 0.002))  # 4.4%: most pay
+    for i in range(400):  # cut everywhere (or no proposals) for a long time: measured anew
+        b = 1 + i % 4
+        rc.observe(b, b, 0.001 + 0.002 * b)
+    assert rc.line() is None

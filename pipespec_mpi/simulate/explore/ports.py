@@ -9,7 +9,7 @@ from collections import deque
 from typing import Protocol
 
 from pipespec_mpi.simulate.explore.scenarios import ExJob, Scenario
-from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost
+from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost, RowLine
 from pipespec_mpi.stage.loop import StageRole
 from pipespec_mpi.stage.ports import Header, Proposal
 from pipespec_mpi.stage.stats import StageOutcome
@@ -87,10 +87,13 @@ class ChaosRowCost(RowCost):
         super().__init__()
         self.rng = rng
 
-    def line(self) -> tuple[float, float] | None:
+    def line(self) -> RowLine | None:
         if self.rng.random() < 0.2:
             return None
-        return self.rng.choice((0.0, 1e-3, 1.0)), self.rng.choice((0.0, 1e-3, 0.1, 1.0, 100.0))
+        return RowLine(
+            self.rng.choice((0.0, 1e-3, 1.0)), self.rng.choice((0.0, 1e-3, 1.0)),
+            self.rng.choice((0.0, 1e-3, 0.1, 1.0, 100.0)),
+        )  # fmt: skip
 
 
 class DriftClock:
