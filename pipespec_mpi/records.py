@@ -258,6 +258,9 @@ class StageSummary:
     # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens
     # the next stage committed as proposed), mean_accepted (accepted per proposal)
     drafter: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the cores its rank kept busy, computing or waiting, while it worked on these records (process
+    # CPU time over its clock's time; metrics._CpuSpans); None: no such time recorded
+    cpu_cores: float | None = None
 
 
 @dataclass

@@ -133,6 +133,35 @@ class _DecodingWall:
         return span
 
 
+class _CpuSpans:
+    """The cores one stage's rank kept busy while it worked on a group's records: its process CPU
+    time over its own clock's time, from a job's start on it to its stats' handoff (``StageStats``
+    ``cpu_start_s``, ``cpu_end_s``, ``t0_perf_counter``, ``t1_perf_counter``), per record at batch
+    1 (other methods' records run between them) and over each batched phase (its slots' jobs
+    overlap, and a rank that has no part in a method still waits at the phase's deals)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[tuple, list[float]] = {}  # key -> [cpu first, cpu last, t first, t last]
+
+    def add(self, key: tuple, st: StageStats) -> None:
+        if st.t1_perf_counter <= 0.0:  # a record from before these fields
+            return
+        span = self.spans.setdefault(
+            key, [st.cpu_start_s, st.cpu_end_s, st.t0_perf_counter, st.t1_perf_counter]
+        )
+        span[0], span[1] = min(span[0], st.cpu_start_s), max(span[1], st.cpu_end_s)
+        span[2], span[3] = min(span[2], st.t0_perf_counter), max(span[3], st.t1_perf_counter)
+
+    def cores(self, wall: float) -> float | None:
+        """CPU seconds per second, or None where the rank spent under 1% of the group's ``wall``
+        on its records (a stage with no part in a method at batch 1 hands its stats over at once)."""
+        cpu = sum(s[1] - s[0] for s in self.spans.values())
+        busy = sum(s[3] - s[2] for s in self.spans.values())
+        if busy <= 0.0 or busy < 0.01 * wall:
+            return None
+        return cpu / busy
+
+
 class _StageTotals:
     """One stage's part of a ``_Group``."""
 
@@ -146,8 +175,11 @@ class _StageTotals:
         self.trace: Counter[tuple[int, int]] = Counter()  # its verify_trace's pairs, counted
         self.peak_rss_mb: float | None = None
         self.drafter: dict[str, dict[str, float]] = {}  # ``_add_drafter``
+        self.cpu = _CpuSpans()
 
-    def add(self, st: StageStats) -> None:
+    def add(self, st: StageStats, span: tuple) -> None:
+        """``st`` of a record; ``span``: the key its CPU time is measured over (``_CpuSpans``)."""
+        self.cpu.add(span, st)
         self.forward_calls += st.forward_calls
         self.rollbacks += st.rollbacks
         self.tokens_discarded += st.tokens_discarded
@@ -183,6 +215,7 @@ class _StageTotals:
             verify_cut=self.verify_cut,
             drafts_held=self.drafts_held,
             drafter=_drafter_rows(self.drafter),
+            cpu_cores=self.cpu.cores(wall),
         )
 
 
@@ -224,8 +257,9 @@ class _Group:
         if r.n_new_tokens:
             self.sequence_ms.append(r.ms_per_token)
         self.token_latencies.extend(token_latencies(r.stages[-1].commit_times))
+        span = (r.replica, r.phase) if r.batch_size != 1 else (r.replica, self.n_prompts)
         for s, totals in enumerate(self.stages):
-            totals.add(r.stages[s])
+            totals.add(r.stages[s], span)
         for st in r.stages:
             for g in st.gpus:
                 key = (st.rank, g["device"])

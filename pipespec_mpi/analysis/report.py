@@ -145,6 +145,7 @@ def table_rows(runs: Sequence[Run]) -> list[dict]:
                     k: (v.acceptance_rate if v.proposed else None) for k, v in acc.items()
                 },
                 "busy_fraction": [st.busy_fraction for st in s.stages],
+                "cpu_cores": [st.cpu_cores for st in s.stages],
                 "proposals_per_forward": (
                     {} if m == "ar" else {i: st.proposals_per_forward for i, st in enumerate(s.stages) if i}
                 ),
@@ -200,12 +201,15 @@ def _cells(row: dict) -> list[str]:
             f"{i} {a['waits']}/{a['joined']}/{a['cut']}/{a['held']}" for i, a in row["policy_actions"].items()
         )
         or "-",
+        "/".join(cell(c, ".2f") for c in row["cpu_cores"])
+        if any(c is not None for c in row["cpu_cores"])
+        else "-",
     ]
 
 
 TITLES = ("run", "method", "models", "window", "batch", "prompts", "tokens", "ms/token", "tokens/s",
           "speedup", "accepted/verification", "proposals/forward", "tokens/target forward",
-          "drafter accepted/proposal", "policy", "waits/joined/cut/held")  # fmt: skip
+          "drafter accepted/proposal", "policy", "waits/joined/cut/held", "cores busy")  # fmt: skip
 NUMBERS = {"window", "batch", "prompts", "tokens", "ms/token", "tokens/s", "speedup", "tokens/target forward"}
 COLUMNS = [Column(t, right=t in NUMBERS) for t in TITLES]
 
@@ -228,6 +232,11 @@ def _footnotes(rows: Sequence[dict]) -> list[str]:
         )
     if any(r["drafter"] for r in rows):
         notes.append("drafter accepted/proposal: a suffix stage 0's tokens accepted per proposal, per source")
+    if any(c is not None for r in rows for c in r["cpu_cores"]):
+        notes.append(
+            "cores busy: per stage, its rank's CPU time (every thread, computing or waiting) over the "
+            "time it spent on the records; - where it had no part (a drafter in AR at batch 1)"
+        )
     return notes
 
 

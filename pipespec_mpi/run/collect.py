@@ -105,10 +105,17 @@ class LeaderHandoff:
         self.job: Job | None = None
         self.outcome: StageOutcome | None = None
         self.stats: list[StageStats | None] = []
+        self.cpu_start_s = 0.0
+
+    def started(self) -> None:
+        """The job starts on this slot (``StageProcess.on_start``): the rank's CPU time now."""
+        self.cpu_start_s = time.process_time()
 
     def post(self, job: Job, outcome: StageOutcome) -> None:
         outcome.stats.gpus = self.gpu_monitor.stop()
         outcome.stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        outcome.stats.cpu_start_s, outcome.stats.cpu_end_s = self.cpu_start_s, time.process_time()
+        outcome.stats.t1_perf_counter = time.perf_counter()
         if self.cpus is not None:
             outcome.stats.threads, outcome.stats.cpus = self.cpus.threads, self.cpus.bound
             outcome.stats.cores = self.cpus.cores

@@ -125,11 +125,17 @@ class Runner:
             # GPU energy is per job; batched jobs overlap, so they are not measured
             monitor = loaded.gpu_monitor if queue is None else GpuMonitor([])
             comm = slot_links[s].replica_comm
-            handoff = LeaderHandoff(
+            to_leader = LeaderHandoff(
                 comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
                 cpus=loaded.cpus, slot=s,
                 n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
             )  # fmt: skip
+
+            def started(job: Job) -> None:
+                start(job)
+                to_leader.started()  # the rank's CPU time from the job's start
+
+            handoff = to_leader
             gate = VoteGate(comm, stop)
             deal = None if queue is None else VoteDeal(comm, queue if pl.is_last else None)
             if self.bell is not None:  # joining one rings the replica's other stages
@@ -138,7 +144,7 @@ class Runner:
                 deal = None if deal is None else RingingDeal(deal, self.bell, pl.peers)
             return StageProcess(
                 loops[s], gate, handoff, group,
-                verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=start,
+                verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=started,
                 deal=deal, collectives_ring=patient,
             )  # fmt: skip
 

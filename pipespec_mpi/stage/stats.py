@@ -42,6 +42,12 @@ class StageStats:
     timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
     commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
     peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
+    # this rank's process CPU seconds (every thread: time.process_time) when the prompt started on
+    # it and when it handed its stats over, and its clock then (as ``t0_perf_counter``): the cores
+    # it kept busy meanwhile, computing or not (``StageSummary.cpu_cores``)
+    cpu_start_s: float = 0.0
+    cpu_end_s: float = 0.0
+    t1_perf_counter: float = 0.0
     threads: int = 0  # the CPU threads this rank computes with (its share of the node's cores)
     cpus: list[int] | None = None  # the CPUs it was bound to (run.cpu_bind); None: as launched
     cores: float | None = None  # the node's CPUs it accounts for in a cost (topology.CpuShare.cores)

@@ -314,3 +314,38 @@ def test_group_keys_round_trip_and_entries_name_their_group():
     for doc in (summarize(recs), benchmark_table(recs, ["ar", "pipespec"])):
         assert all((e.method, e.batch_size) == parse_group_key(k) for k, e in doc.items())
         assert find_entry(doc, "pipespec", 4) is doc["pipespec@b4"] and find_entry(doc, "sd") is None
+
+
+def _cpu(st, cpu0, cpu1, t0, t1):
+    st.cpu_start_s, st.cpu_end_s, st.t0_perf_counter, st.t1_perf_counter = cpu0, cpu1, t0, t1
+
+
+def test_cores_busy_per_stage_are_its_cpu_time_over_its_time_on_the_records():
+    """Batch 1: per record (another method's records ran between them, on the same ranks);
+    batched: over each phase, from its first job's start on the rank to its last handoff, since
+    the slots' jobs overlap (summed per record, a phase of 4 slots would count its CPU 4 times)."""
+    a, b = _rec("pipespec", "a", 10, 1.0), _rec("pipespec", "b", 10, 1.0)
+    _cpu(a.stages[0], 10.0, 10.1, 50.0, 51.0)  # the drafter: 0.1 s of CPU in 1 s
+    _cpu(b.stages[0], 12.0, 12.3, 60.0, 61.0)  # 0.3 s in 1 s (the CPU between them is AR's)
+    _cpu(a.stages[1], 5.0, 6.9, 50.0, 51.0)
+    _cpu(b.stages[1], 8.0, 9.9, 60.0, 61.0)
+    s = summarize([a, b])["pipespec"]
+    assert [st.cpu_cores for st in s.stages] == [pytest.approx(0.2), pytest.approx(1.9)]
+
+    ar = _rec("ar", "a", 10, 1.0)  # the drafter has no part in AR: it hands over at once
+    _cpu(ar.stages[0], 11.0, 11.0, 52.0, 52.0001)
+    _cpu(ar.stages[1], 7.0, 8.0, 52.0, 53.0)
+    assert [st.cpu_cores for st in summarize([ar])["ar"].stages] == [None, pytest.approx(1.0)]
+
+    # batched, four slots' jobs overlapping in one phase of 2 s on the drafter's rank
+    phase = []
+    for i in range(4):
+        r = _batched("ar", f"p{i}", 10, 100.0 + 0.5 * i, 0.5, 4, phase=3)
+        _cpu(r.stages[0], 20.0 + 0.01 * i, 20.02 + 0.01 * i, 100.0 + 0.5 * i, 100.5 + 0.5 * i)
+        _cpu(r.stages[1], 30.0 + i, 31.0 + i, 100.0 + 0.5 * i, 100.5 + 0.5 * i)
+        phase.append(r)
+    st = summarize(phase)["ar@b4"].stages
+    assert st[0].cpu_cores == pytest.approx(0.05 / 2.0)  # 20.00 .. 20.05 over 100.0 .. 102.0
+    assert st[1].cpu_cores == pytest.approx(4.0 / 2.0)
+    # records from before these fields: no figure
+    assert summarize([_rec("ar", "a", 10, 1.0)])["ar"].stages[1].cpu_cores is None

@@ -164,7 +164,7 @@ def test_summary_and_benchmark_files_round_trip(tmp_path: Path) -> None:
     assert list(doc["pipespec"]["stages"][0]) == [
         "model", "forward_calls", "rollbacks", "tokens_discarded", "discarded_s", "busy_fraction",
         "verifications", "own_steps", "proposals_per_forward", "tokens_per_forward", "waits_chosen",
-        "waits_joined", "verify_cut", "drafts_held", "drafter",
+        "waits_joined", "verify_cut", "drafts_held", "drafter", "cpu_cores",
     ]  # fmt: skip
 
     # with the ranks' threads recorded: core-hours per million output tokens
