@@ -115,25 +115,36 @@ def verify_length(accept: Sequence[float], cost: Sequence[float], pending: int) 
     return k
 
 
-def allot_rows(survivals: Sequence[Sequence[float]], budget: int, threshold: float = 0.0) -> list[int]:
+def allot_rows(survivals: Sequence[Sequence[float]], budget: int, line: RowLine | None = None) -> list[int]:
     """A batched forward's row budget shared by its slots' verifications (TETRIS-style): every
     forward keeps its own row (the correction or bonus), and the remaining ``budget`` rows go to
     the (slot, position) pairs most likely to be committed, S_j = prod_{i<=j} a_i, a position only
-    after the one before it, none below ``threshold`` (``row_threshold``: a row that does not pay
-    for itself). ``survivals[i]``: S_1.. of slot i's proposal; returns how many of them each slot
+    after the one before it, each only while it raises the forward's expected tokens per second
+    by the stage's fitted costs (``line``: C = fixed + per_slot B + per_row e):
+        S >= per_row K / C,  K = B + the survivals taken so far, C = the forward's cost so far
+    (a row is worth its survival and costs per_row; it pays where that beats the forward's rate
+    without it). The pairs come in falling S and K / C rises as long as rows pay, so the first
+    that does not pay ends the allotment. No ``line`` (costs unknown) or a free row: every pair
+    pays. ``survivals[i]``: S_1.. of slot i's proposal; returns how many of them each slot
     verifies (0: a step of its own this time, its proposals kept for later)."""
     extra = budget - len(survivals)
     ranked = sorted(
         ((s, j, i) for i, surv in enumerate(survivals) for j, s in enumerate(surv)),
         key=lambda x: (-x[0], x[1], x[2]),
     )
+    priced = line is not None and line.per_row > 0.0
+    tokens = float(len(survivals))
+    seconds = line.fixed + line.per_slot * len(survivals) if priced else 0.0
     taken = [0] * len(survivals)
     for s, j, i in ranked:
-        if extra <= 0 or s < threshold:
+        if extra <= 0 or (priced and s * seconds < line.per_row * tokens):
             break
         if j == taken[i]:  # the positions before it are taken: S falls with j, so mostly in order
             taken[i] += 1
             extra -= 1
+            tokens += s
+            if priced:
+                seconds += line.per_row
     return taken
 
 
@@ -201,18 +212,6 @@ class RowCost:
             per_slot, per_row = (cbc * ve - cec * cbe) / det, (cec * vb - cbc * cbe) / det
         fixed = mc - per_slot * mb - per_row * me
         return RowLine(max(0.0, fixed), max(0.0, per_slot), per_row)
-
-
-def row_threshold(line: RowLine | None, forwards: int) -> float:
-    """The survival S a verification row of a batched forward of ``forwards`` slots B must reach
-    to pay for itself: S (fixed / B + per_slot) >= per_row. A committed token is worth what a
-    slot's own share of the forward costs (the token it saves the slot later); the row costs
-    per_row. 0 (every row pays) while the line is unknown or rows are free; above 1 (none pays)
-    where a slot's share is free and a row is not."""
-    if line is None or line.per_row <= 0.0:
-        return 0.0
-    share = line.fixed / max(1, forwards) + line.per_slot
-    return line.per_row / share if share > 0.0 else math.inf
 
 
 def survivals(accept: Sequence[float], n: int) -> list[float]:

@@ -25,12 +25,12 @@ Under ``decode.policy=adaptive`` the slots' verifications share one budget of
 ``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most
 likely to be committed (``goodput.allot_rows``), and only to those whose row pays for itself: the
 stage fits its batched forwards' seconds as a line in their slots and verification rows
-(``goodput.RowCost``), and a pair is taken only while its survival times a slot's share of the
-forward is at least what the row costs (``goodput.row_threshold``). A slot left with no rows
-takes a one-token step of its own this time and keeps its proposals (the static policy caps each
-slot at rows // B - 1). With the target on both cores of a 2-core Xeon, the budget alone let
-four slots verify up to 7 proposals each in forwards of 16-53 ms, against 22 ms for batched AR's
-four rows: PipeSpec ran at 0.88x batched AR at B=4 on held-out code.
+(``goodput.RowCost``), and a pair is taken only while it raises the forward's expected tokens
+per second (its survival against the row's cost). A slot left with no rows takes a one-token
+step of its own this time and keeps its proposals (the static policy caps each slot at
+rows // B - 1). With the target on both cores of a 2-core Xeon, the budget alone let four slots
+verify up to 7 proposals each in forwards of 16-53 ms, against 22 ms for batched AR's four rows:
+PipeSpec ran at 0.88x batched AR at B=4 on held-out code.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pipespec_mpi.speculative.goodput import RowCost, allot_rows, row_threshold, survivals
+from pipespec_mpi.speculative.goodput import RowCost, allot_rows, survivals
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock
@@ -126,9 +126,8 @@ class BatchedStage:
         budget = loop.cfg.batch_verify_rows
         if budget is None:
             budget = sum(len(s) + 1 for s in surv)
-        threshold = row_threshold(self.row_cost.line(), len(forwards))
         out = []
-        for (slot, f), k in zip(forwards, allot_rows(surv, budget, threshold), strict=True):
+        for (slot, f), k in zip(forwards, allot_rows(surv, budget, self.row_cost.line()), strict=True):
             if f.act is Act.VERIFY and k < len(f.proposal):
                 slot.loop.stats.verify_cut += 1
                 f = Forward(Act.VERIFY, f.seq, f.proposal[:k]) if k else Forward(Act.OWN, f.seq, [])

@@ -127,8 +127,9 @@ def test_the_real_tiny_models_batched_stay_lossless_under_adversarial_schedules(
 
 def test_a_batched_stage_gives_out_only_the_rows_that_pay():
     """Adaptive: until its forwards showed what a row costs, the slots share the row budget by
-    survival alone; then a position is verified only where its survival pays for its row
-    (``goodput.row_threshold``), and a slot left with none steps alone, its proposal kept."""
+    survival alone; then a position is verified only while its row raises the forward's expected
+    tokens per second (``goodput.allot_rows``), and a slot left with none steps alone, its
+    proposal kept."""
     from types import SimpleNamespace
 
     from pipespec_mpi.speculative.goodput import Estimates
@@ -145,10 +146,11 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
     stage = BatchedStage([good, poor, worse], clock=SimpleNamespace(now=lambda: 0.0))
     asked = [(sl, Forward(Act.VERIFY, [1, 2], [5, 6, 7, 8])) for sl in (good, poor, worse)]
     assert [len(f.proposal) for _, f in stage._allot(asked)] == [4, 4, 4]  # 15 rows: within 16
-    for b in range(1, 4):  # 12 ms + 3 ms a row, a slot's own or a verification's
+    for b in range(1, 4):  # 12 ms + 3 ms a slot + 1 ms a verification row
         for e in range(11):
-            stage.row_cost.observe(b, b + e, 0.012 + 0.003 * (b + e))
-    # three slots: a token is worth 4 + 3 ms, so a row pays from a survival of 3/7
+            stage.row_cost.observe(b, b + e, 0.012 + 0.003 * b + 0.001 * e)
+    # three slots: 3 tokens in 21 ms; good's four rows and poor's first (0.5) raise the rate,
+    # poor's second (0.25) would not (6.6 tokens in 26 ms: a 1 ms row must survive 0.254)
     got = stage._allot(asked)
     assert [(f.act, len(f.proposal)) for _, f in got] == [(Act.VERIFY, 4), (Act.VERIFY, 1), (Act.OWN, 0)]
     assert [sl.loop.stats.verify_cut for sl in (good, poor, worse)] == [0, 1, 1]

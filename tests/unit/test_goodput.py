@@ -16,7 +16,6 @@ from pipespec_mpi.speculative.goodput import (
     choose,
     draft_reach,
     expected_committed,
-    row_threshold,
     survivals,
     verify_length,
 )
@@ -264,10 +263,42 @@ def test_a_batched_forward_shares_its_rows_by_survival():
 
 def test_rows_that_do_not_pay_are_not_given_out():
     good, poor = survivals([0.9] * 8, 6), survivals([0.3] * 8, 6)
-    assert allot_rows([good, poor], 100, threshold=0.5) == [6, 0]  # 0.9^6 = 0.53; 0.3 < 0.5
-    assert allot_rows([good, poor], 100, threshold=0.6) == [4, 0]  # 0.9^5 = 0.59 < 0.6
-    assert allot_rows([good, poor], 100, threshold=0.95) == [0, 0]  # every slot steps alone
-    assert allot_rows([good, poor], 5, threshold=0.5) == [3, 0]  # and still within the budget
+    # two slots, 12 ms + 3 ms a slot + 3 ms a row: 18 ms for 2 tokens; good's sixth row (0.53)
+    # still beats the forward's rate (6.2 tokens in 36 ms: 0.52 a row), poor's first (0.3) not
+    assert allot_rows([good, poor], 100, RowLine(0.012, 0.003, 0.003)) == [6, 0]
+    assert allot_rows([good, poor], 100, RowLine(0.012, 0.003, 0.006)) == [2, 0]  # 0.73 < 0.74
+    assert allot_rows([good, poor], 100, RowLine(0.0, 0.0, 0.001)) == [0, 0]  # only rows cost
+    assert allot_rows([good, poor], 5, RowLine(0.012, 0.003, 0.003)) == [3, 0]  # within the budget
+    assert allot_rows([good, poor], 100) == [6, 6]  # costs unknown: every pair pays
+    assert allot_rows([good, poor], 100, RowLine(0.04, 0.0, 0.0)) == [6, 6]  # free rows (a GPU)
+
+
+def _rate(surv, taken, line):
+    tokens = len(surv) + sum(sum(s[:k]) for s, k in zip(surv, taken, strict=True))
+    return tokens / (line.fixed + line.per_slot * len(surv) + line.per_row * sum(taken))
+
+
+def test_the_rows_given_out_maximise_the_forwards_expected_tokens_per_second():
+    """Against every allotment of the same budget (each slot a prefix of its proposal): none has a
+    higher expected rate, (B + the survivals verified) / C(B, rows)."""
+    import itertools
+
+    rng = random.Random(3)
+    for _ in range(300):
+        surv = [
+            survivals([rng.random() for _ in range(8)], rng.randint(0, 4)) for _ in range(rng.randint(1, 3))
+        ]
+        line = RowLine(rng.choice((0.0, 0.01, 0.03)), rng.uniform(0.0, 0.01), rng.uniform(1e-4, 0.01))
+        if line.fixed + line.per_slot == 0.0:
+            continue
+        budget = len(surv) + rng.randint(0, 8)
+        got = allot_rows(surv, budget, line)
+        best = max(
+            _rate(surv, t, line)
+            for t in itertools.product(*(range(len(s) + 1) for s in surv))
+            if sum(t) <= budget - len(surv)
+        )
+        assert _rate(surv, got, line) == pytest.approx(best), (surv, line, budget, got)
 
 
 def test_row_cost_fits_a_batched_forwards_slots_and_verification_rows():
@@ -275,7 +306,7 @@ def test_row_cost_fits_a_batched_forwards_slots_and_verification_rows():
     assert rc.line() is None
     for _ in range(30):  # every forward four slots verifying four rows each: no slope to see
         rc.observe(4, 20, 0.022)
-    assert rc.line() is None and row_threshold(rc.line(), 4) == 0.0
+    assert rc.line() is None
     rng = random.Random(0)
     for _ in range(200):  # 12 ms + 3 ms a row, a slot's own or a verification's, with noise
         b = rng.randint(1, 4)
@@ -284,11 +315,6 @@ def test_row_cost_fits_a_batched_forwards_slots_and_verification_rows():
     fixed, per_slot, per_row = rc.line()
     assert fixed == pytest.approx(0.012, abs=1.5e-3)
     assert per_slot == pytest.approx(0.003, abs=5e-4) and per_row == pytest.approx(0.003, abs=2e-4)
-    # four slots: a token is worth 3 + 3 ms, a row costs 3: half a chance of surviving pays
-    assert row_threshold(RowLine(0.012, 0.003, 0.003), 4) == pytest.approx(0.5)
-    assert row_threshold(RowLine(0.012, 0.003, 0.003), 1) == pytest.approx(0.2)  # one slot
-    assert row_threshold(RowLine(0.04, 0.0, 0.0), 4) == 0.0  # flat (a memory-bound GPU): all pay
-    assert row_threshold(RowLine(0.0, 0.0, 0.001), 4) > 1.0  # a slot's share free, a row not
     # the line follows a node that got slower per row
     for _ in range(200):
         b = rng.randint(1, 4)
@@ -307,13 +333,14 @@ def test_a_slot_that_costs_more_than_a_row_leaves_the_row_cost_unknown_until_row
     for i in range(200):  # 1 ms + 2 ms a slot, no verification: the slots vary, the rows with them
         b = 1 + i % 4
         rc.observe(b, b, 0.001 + 0.002 * b)
-    assert rc.line() is None and row_threshold(rc.line(), 4) == 0.0
+    assert rc.line() is None
     for i in range(40):  # verifications: a row costs 0.1 ms
         b, e = 1 + i % 4, (3 * i) % 11
         rc.observe(b, b + e, 0.001 + 0.002 * b + 0.0001 * e)
     line = rc.line()
     assert line.per_slot == pytest.approx(0.002, abs=1e-6) and line.per_row == pytest.approx(1e-4)
-    assert row_threshold(line, 4) == pytest.approx(1e-4 / (0.001 / 4 + 0.002))  # 4.4%: most pay
+    # one slot: 2.5 tokens in 3.3 ms after three rows, so a 0.1 ms row must survive 0.076 to pay
+    assert allot_rows([[0.9, 0.5, 0.1, 0.05]], 16, line) == [3]
     for i in range(400):  # cut everywhere (or no proposals) for a long time: measured anew
         b = 1 + i % 4
         rc.observe(b, b, 0.001 + 0.002 * b)
