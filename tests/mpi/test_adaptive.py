@@ -5,6 +5,7 @@ AR at batch 1 and batched; sampled output follows the target's distribution at b
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import launch_ok
@@ -28,6 +29,8 @@ def test_adaptive_greedy_equals_ar_at_every_batch_size(tmp_path, hier):
     summary = json.loads((tmp_path / "summary.json").read_text())
     for stage in summary["pipespec"]["stages"]:
         assert {"waits_chosen", "verify_cut", "drafts_held"} <= set(stage)
+        # the cores its rank kept busy: measured for every stage with a part in PipeSpec
+        assert 0.0 < stage["cpu_cores"] <= os.cpu_count() + 0.5, stage
     # Whether a verifier verifies or steps on its own follows the measured timings (unit tests
     # of speculative/goodput.py pin those decisions with fixed costs); whatever it chose, every
     # forward of a verifier is one of its own steps or a verification, at batch 1 and batched.
