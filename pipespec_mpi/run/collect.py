@@ -99,7 +99,7 @@ class LeaderHandoff:
     ) -> None:  # fmt: skip
         self.comm, self.stage, self.leader, self.slot = comm, stage, n_stages - 1, slot
         self.cpus, self.n_gpus = cpus, n_gpus
-        self.gpu_monitor = gpu_monitor  # started when the prompt starts (StageProcess.on_start)
+        self.gpu_monitor = gpu_monitor  # started with the job (``started``), stopped at ``post``
         self.on_record = on_record  # the leader's: (job, its outcome, every stage's stats) -> None
         self.req = None
         self.job: Job | None = None
@@ -108,8 +108,10 @@ class LeaderHandoff:
         self.cpu_start_s = 0.0
 
     def started(self) -> None:
-        """The job starts on this slot (``StageProcess.on_start``): the rank's CPU time now."""
+        """The job starts on this slot (``StageProcess.on_start``): the rank's CPU time now, and
+        this slot's GPU monitor (batched slots have an inactive one: their jobs overlap)."""
         self.cpu_start_s = time.process_time()
+        self.gpu_monitor.start()
 
     def post(self, job: Job, outcome: StageOutcome) -> None:
         outcome.stats.gpus = self.gpu_monitor.stop()

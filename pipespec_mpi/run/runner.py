@@ -115,10 +115,6 @@ class Runner:
             )
         index: dict[int, int] = {}  # job seq -> its place among the replica's jobs (faults.py)
 
-        def start(job: Job) -> None:
-            maybe_fail(self.world.rank, index[job.seq])
-            loaded.gpu_monitor.start()
-
         def slot(s: int, group: list[Job], queue: JobQueue | None) -> StageProcess:
             """Slot s's process over a phase's jobs: all of them in order (``queue`` None: batch
             1), else the next one the last stage's slots take from their shared ``queue``."""
@@ -132,8 +128,8 @@ class Runner:
             )  # fmt: skip
 
             def started(job: Job) -> None:
-                start(job)
-                to_leader.started()  # the rank's CPU time from the job's start
+                maybe_fail(self.world.rank, index[job.seq])
+                to_leader.started()  # the job's measurements: the rank's CPU time, its GPUs
 
             handoff = to_leader
             gate = VoteGate(comm, stop)

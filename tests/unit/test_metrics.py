@@ -349,3 +349,37 @@ def test_cores_busy_per_stage_are_its_cpu_time_over_its_time_on_the_records():
     assert st[1].cpu_cores == pytest.approx(4.0 / 2.0)
     # records from before these fields: no figure
     assert summarize([_rec("ar", "a", 10, 1.0)])["ar"].stages[1].cpu_cores is None
+
+
+def test_a_slots_handoff_measures_its_own_job_cpu_and_gpu_monitor():
+    """``LeaderHandoff.started`` starts the measurements of the job on its slot and ``post`` ends
+    them: the rank's CPU time, and the slot's own GPU monitor (a batched slot's is inactive; the
+    rank's monitor was started per job by the runner before, and never stopped in batched phases)."""
+    import time
+
+    from pipespec_mpi.run.collect import LeaderHandoff
+    from pipespec_mpi.run.jobs import Job, Prompt
+    from pipespec_mpi.stage.stats import StageOutcome
+
+    class Monitor:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def start(self) -> None:
+            self.calls.append("start")
+
+        def stop(self) -> list[dict]:
+            self.calls.append("stop")
+            return []
+
+    slot_monitor = Monitor()
+    handoff = LeaderHandoff(None, 0, 1, gpu_monitor=slot_monitor, on_record=None)
+    handoff.started()
+    cpu0 = time.process_time()
+    while time.process_time() - cpu0 < 0.02:  # some CPU time of this process
+        pass
+    st = StageStats(stage=0, rank=0, model="m")
+    job = Job(seq=1, prompt=Prompt(id="a", ids=[1], position=0), method="ar", warmup=False)
+    handoff.post(job, StageOutcome([1], "length", 0.1, st))
+    assert slot_monitor.calls == ["start", "stop"]
+    assert st.cpu_end_s - st.cpu_start_s >= 0.02 and st.t1_perf_counter > 0.0
