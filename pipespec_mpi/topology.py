@@ -120,6 +120,9 @@ class CpuShare:
 
     threads: int
     cpus: tuple[int, ...] | None = None
+    # A last stage's threads where it computes alone (AR: the other stages of its pipeline idle),
+    # where these differ from ``threads``: the CPUs its pipeline's other model stages leave idle.
+    solo: int | None = None
     # The node's CPUs this rank accounts for in a cost (``core_hours_per_million_tokens``): the
     # ranks of a node together account for all of its CPUs, a model-free stage beside model
     # stages for none (it borrows a thread of theirs). Not where it computes: equality ignores it.
@@ -146,23 +149,36 @@ def share_cpus(
     CPUs, each pipeline's last stage gets a CPU of its own (the last ones) and the other ranks
     share the rest, in the phases that bind (``binds``). Needs a CPU left over for the others:
     with as many last stages as CPUs or more, nobody binds. ``threads`` (the stage's own
-    setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for)."""
+    setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for).
+
+    A last stage computes alone in AR, so there it takes the CPUs its node's other stages leave
+    idle (``solo``), unbound: AR is the target alone on the node's cores, as ``hierarchy=auto``
+    prices it. On 2 cores the three-stage default's AR ran one thread beside an idle middle stage
+    (43.5 tokens/s against 62.4 on both cores, held-out code, 2-core Xeon with AMX, 2026-12-05),
+    which flattered every speed-up over it."""
     mine = affinities[rank]
     node = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     if any(affinities[r] != mine for r in node):
         return CpuShare(threads or len(mine), cores=len(mine))
     cpus = sorted(mine)
     lasts = [r for r in node if r % n_stages == n_stages - 1]
+    alone = (threads or max(1, len(cpus) // len(lasts))) if rank in lasts else None
     if len(node) <= len(cpus) or len(cpus) <= len(lasts):
         models = sum(r % n_stages not in light for r in node)
         if rank % n_stages in light:
             return CpuShare(threads or 1, cores=0.0 if models else len(cpus) / len(node))
-        return CpuShare(threads or max(1, len(cpus) // models), cores=len(cpus) / models)
+        n = threads or max(1, len(cpus) // models)
+        return CpuShare(n, solo=_differs(alone, n), cores=len(cpus) / models)
     rest = cpus[: len(cpus) - len(lasts)]
     if rank in lasts:
-        return CpuShare(threads or 1, (cpus[len(rest) + lasts.index(rank)],), cores=1.0)
+        n = threads or 1
+        return CpuShare(n, (cpus[len(rest) + lasts.index(rank)],), solo=_differs(alone, n), cores=1.0)
     others = len(node) - len(lasts)
     return CpuShare(threads or max(1, len(rest) // others), tuple(rest), cores=len(rest) / others)
+
+
+def _differs(alone: int | None, threads: int) -> int | None:
+    return None if alone == threads else alone
 
 
 def binds(mode: str, batch_size: int) -> bool:

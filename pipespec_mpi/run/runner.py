@@ -129,6 +129,7 @@ class Runner:
 
             def started(job: Job) -> None:
                 maybe_fail(self.world.rank, index[job.seq])
+                loaded.cpus.enter(job.batch_size, job.method)
                 to_leader.started()  # the job's measurements: the rank's CPU time, its GPUs
 
             handoff = to_leader
@@ -164,7 +165,7 @@ class Runner:
             if collector is not None:
                 collector.skipped(earlier)
             index.update({job.seq: len(index) + i for i, job in enumerate(jobs)})
-            n_done, n_left = self._decode(phases(jobs), loops, slot, links, loaded.cpus)
+            n_done, n_left = self._decode(phases(jobs), loops, slot, links)
             done += n_done
         if collector is not None:
             collector.close()
@@ -205,20 +206,19 @@ class Runner:
         loops: list[StageLoop],
         slot: Callable[[int, list[Job], JobQueue | None], StageProcess],
         links: setup.Links,
-        cpus: setup.CpuPlacement,
     ) -> tuple[int, int]:
         """Drive the stage over the phases (``slot(s, jobs, queue)`` builds slot s's process):
         one slot alone at batch 1, a ``BatchedStage`` over B slots else, which take the phase's
-        jobs from one queue (stage/deal.py), each phase on the CPUs ``cpus`` gives its batch
-        size. Returns the jobs handed over and those not started (the replica agreed to stop:
-        later phases are not started)."""
+        jobs from one queue (stage/deal.py); each job starts on the threads and CPUs its method
+        and batch size get (``CpuPlacement.enter``, in the slot's start hook). Returns the jobs
+        handed over and those not started (the replica agreed to stop: later phases are not
+        started)."""
         done = left = 0
         for g, group in enumerate(groups):
             size = group[0].batch_size
             b = min(size, len(group))
             for loop in loops:  # between phases: no prompt is in flight
                 loop.cfg = self.cfg.decode.for_batch(size)
-            cpus.enter(size)
             queue = None if b == 1 else JobQueue(len(group))
             slots = [slot(s, group, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)

@@ -54,16 +54,14 @@ def resolve_transport(kind: str) -> str:
 
 
 class CpuPlacement:
-    """This rank's torch threads, and its CPUs phase by phase: ``share.cpus`` in the phases
-    ``run.cpu_bind`` binds (``topology.binds``), else the CPUs it was launched with."""
+    """This rank's torch threads and CPUs, job by job: ``share.cpus`` in the phases ``run.cpu_bind``
+    binds (``topology.binds``), else the CPUs it was launched with; a last stage computing alone
+    (AR) takes ``share.solo`` threads, unbound."""
 
     def __init__(self, share: CpuShare, mode: str) -> None:
         self.share, self.mode = share, mode
         self.home = self.current = frozenset(os.sched_getaffinity(0))
-
-    @property
-    def threads(self) -> int:
-        return self.share.threads
+        self.threads = share.threads  # its torch threads now (set by ``place_cpus``)
 
     @property
     def cores(self) -> float | None:
@@ -73,23 +71,33 @@ class CpuPlacement:
     def where(self) -> str:
         """Where it computes, for the log."""
         bound_at = {b: binds(self.mode, b) for b in (1, 2)}
+        alone = "" if self.share.solo is None else f"; {self.share.solo} threads, unbound, in AR"
         if self.share.cpus is None or not any(bound_at.values()):
-            return "its launched CPUs"
+            return "its launched CPUs" + alone
         cpus = "CPUs " + ",".join(map(str, self.share.cpus))
-        return cpus if all(bound_at.values()) else f"{cpus} in batched phases (its launched CPUs at batch 1)"
+        where = cpus if all(bound_at.values()) else f"{cpus} in batched phases (its launched CPUs at batch 1)"
+        return where + alone
 
     @property
     def bound(self) -> list[int] | None:
         """The CPUs it is bound to now (None: those it was launched with)."""
         return None if self.current == self.home else sorted(self.current)
 
-    def enter(self, batch_size: int) -> None:
-        """Bind (or unbind) for a phase at ``batch_size``."""
-        bound = self.share.cpus is not None and binds(self.mode, batch_size)
+    def enter(self, batch_size: int, method: str) -> None:
+        """Threads and CPUs for a job of ``method`` at ``batch_size`` (idempotent: the jobs of a
+        phase ask alike; at batch 1 the methods alternate job by job)."""
+        import torch
+
+        alone = method == "ar" and self.share.solo is not None
+        bound = self.share.cpus is not None and binds(self.mode, batch_size) and not alone
         want = frozenset(self.share.cpus) if bound else self.home
         if want != self.current:
             os.sched_setaffinity(0, want)
             self.current = want
+        threads = self.share.solo if alone else self.share.threads
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
 
 
 def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:

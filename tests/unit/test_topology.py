@@ -41,7 +41,7 @@ def shares(hosts, affinities, n_stages, threads=None, light=frozenset()):
 
 def test_a_pipeline_on_fewer_cpus_than_ranks_gives_its_last_stage_a_cpu_of_its_own():
     got = shares(["a"] * 3, [{0, 1}] * 3, 3)
-    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,))]
+    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,), solo=2)]
     # the bound CPUs are disjoint between the last stage and the rest, and cover the node
     assert not set(got[2].cpus) & set(got[0].cpus)
 
@@ -50,11 +50,12 @@ def test_two_replicas_on_one_node_bind_each_last_stage_apart():
     got = shares(["a"] * 6, [range(4)] * 6, 3)
     assert [g.cpus for g in got] == [(0, 1), (0, 1), (2,), (0, 1), (0, 1), (3,)]
     assert {g.threads for g in got} == {1}
+    assert [g.solo for g in got] == [None, None, 2, None, None, 2]  # AR: half the node each
 
 
 def test_nobody_is_bound_where_the_cpus_suffice_or_are_too_few_for_a_spare():
     # as many CPUs as ranks: split, the OS places them
-    assert shares(["a"] * 3, [range(6)] * 3, 3) == [CpuShare(2)] * 3
+    assert shares(["a"] * 3, [range(6)] * 3, 3) == [CpuShare(2), CpuShare(2), CpuShare(2, solo=6)]
     # two replicas on 2 CPUs: the last stages would take them all
     assert shares(["a"] * 6, [{0, 1}] * 6, 3) == [CpuShare(1)] * 6
     # one-stage pipelines (AR): every rank is a last stage
@@ -65,15 +66,15 @@ def test_a_model_free_stage_leaves_the_cores_to_the_model_stages():
     # suffix -> target on 2 cores: the target computes on both, the drafter gets one thread
     assert shares(["a"] * 2, [{0, 1}] * 2, 2, light=frozenset({0})) == [CpuShare(1), CpuShare(2)]
     # suffix -> copy -> target on 4 cores: 2 each for the model stages (an even split gave 1)
-    assert shares(["a"] * 3, [range(4)] * 3, 3) == [CpuShare(1)] * 3
+    assert shares(["a"] * 3, [range(4)] * 3, 3) == [CpuShare(1), CpuShare(1), CpuShare(1, solo=4)]
     got = shares(["a"] * 3, [range(4)] * 3, 3, light=frozenset({0}))
-    assert got == [CpuShare(1), CpuShare(2), CpuShare(2)]
+    assert got == [CpuShare(1), CpuShare(2), CpuShare(2, solo=4)]
     # two replicas of suffix -> target on 8 cores: 4 for each target
     got = shares(["a"] * 4, [range(8)] * 4, 2, light=frozenset({0}))
     assert got == [CpuShare(1), CpuShare(4), CpuShare(1), CpuShare(4)]
     # outnumbered CPUs still bind the last stage apart, a light stage beside the others
     got = shares(["a"] * 3, [{0, 1}] * 3, 3, light=frozenset({0}))
-    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,))]
+    assert got == [CpuShare(1, (0,)), CpuShare(1, (0,)), CpuShare(1, (1,), solo=2)]
     # a stage's own threads setting still decides the count
     assert shares(["a"] * 2, [{0, 1}] * 2, 2, threads=3, light=frozenset({0})) == [CpuShare(3)] * 2
 
