@@ -139,6 +139,9 @@ class PlanInputs:
     # the paper's models: predicted as ``pipespec-simulate --preset paper`` predicts them
     # (simulate/paper.py, paper_ms), not with i.i.d. rates
     paper: PaperSetting | None = None
+    # the target's profile where it computes alone (AR), where a run measured it apart: AR takes
+    # the CPUs its idle stages leave (topology.CpuShare.solo), so its steps are not the pipeline's
+    alone: sim.LatencyProfile | None = None
 
 
 def _profile_from_config(name: str, node: Mapping) -> sim.LatencyProfile:
@@ -209,7 +212,9 @@ def load_plan_config(path: str | Path) -> PlanInputs:
 
 def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     """Profiles, adjacent-pair rates and latencies measured in a run (its PipeSpec records if
-    any, else SD, else AR)."""
+    any, else SD, else AR); AR's target from its own records where the run has them (batch 1
+    where it has those): on two cores the three-stage default's target stepped in 10.5 ms in
+    PipeSpec and 7.2 ms in AR, on both cores (held-out code, Xeon with AMX, 2026-12-05)."""
     recs = load_records(run_dir)
     by: dict[str, list[Record]] = {}
     for r in recs:
@@ -222,6 +227,10 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     models = {p.name: p for p in fit.profiles}
     rates = {(a, b): r for a, b, r in zip(names, names[1:], fit.rates)}
     hier = by[method][0].hierarchy
+    alone = None
+    if method != "ar" and "ar" in by:
+        ar = [r for r in by["ar"] if r.batch_size == 1] or by["ar"]
+        alone = fit_run(ar).profiles[-1]
     lat = sum(fit.down_latency_s) / len(fit.down_latency_s) if fit.down_latency_s else 0.0
     up = sum(fit.up_latency_s) / len(fit.up_latency_s) if fit.up_latency_s else None
     return PlanInputs(
@@ -233,7 +242,8 @@ def inputs_from_run(run_dir: str | Path) -> PlanInputs:
         blocking_reads=False,  # header reads of the shared-memory epochs window never wait
         hierarchy=hier,
         stage_defs=stage_defs_of(hier),
-        source=f"{run_dir} ({method} records)",
+        source=f"{run_dir} ({method} records" + (", AR's target from its own)" if alone else ")"),
+        alone=alone,
     )
 
 
@@ -322,6 +332,8 @@ class RateSource:
             blocking_reads=inp.blocking_reads, include_prefill=False,
         )  # fmt: skip
         profs = [inp.models[m] for m in pipeline]
+        if setting.method == "ar" and inp.alone is not None and pipeline == (inp.target,):
+            profs = [inp.alone]
         seeds = self.seeds[:1] if setting.method == "ar" else self.seeds
         rates = tuple(pair_rate(inp.rates, a, b, self.transitive) for a, b in zip(pipeline, pipeline[1:]))
         return sim.mean_ms_per_token(profs, rates, cfg, seeds)

@@ -221,16 +221,18 @@ def _as_run(tmp: Path, results: list[SimResult], prompt_len: int, look: int, clo
     return tmp
 
 
-def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True) -> Path:
+def _synthetic_run(tmp: Path, blocking: bool = False, clock: bool = True, ar_speed: float = 1.0) -> Path:
+    """``ar_speed``: AR's target steps that much faster (it computes alone, on more threads)."""
     draft = replace(DRAFT, overhead_s=0.3 * MS, prefill_per_token_s=0.01 * MS)
     target = replace(TARGET, overhead_s=0.5 * MS, prefill_per_token_s=0.05 * MS)
+    alone = replace(target, points=tuple((n, t / ar_speed) for n, t in target.points))
     results = []
     for method, look in (("ar", 0), ("sd", 3), ("pipespec", 2)):
         for seed in range(3):
             dec = DecodeConfig(lookahead=look, max_new_tokens=64, sd_window=None, policy="static")
             c = SimConfig(method=method, decode=dec, prompt_len=40, latency_s=0.4 * MS,
                           blocking_reads=blocking, record_timeline=True, seed=seed)  # fmt: skip
-            results.append(simulate([draft, target], [0.75], c))
+            results.append(simulate([draft, alone if method == "ar" else target], [0.75], c))
     return _as_run(tmp, results, prompt_len=40, look=2, clock=clock)
 
 
@@ -314,6 +316,24 @@ def test_run_records_feed_the_calibration_table_and_the_planner(tmp_path, capsys
     assert (
         inputs.target == "target" and inputs.hierarchy == "sim" and set(inputs.models) == {"draft", "target"}
     )
+
+
+def test_the_planner_prices_ar_by_the_runs_own_ar_forwards(tmp_path):
+    """A run whose AR computed alone on more threads (1.6x faster steps): a plan from its records
+    prices AR by AR's forwards, the pipelines by the PipeSpec records' target."""
+    from pipespec_mpi.plan.options import Setting
+    from pipespec_mpi.plan.sources import RateSource, inputs_from_run
+
+    run = _synthetic_run(tmp_path / "run", ar_speed=1.6)
+    _fix_lookahead(run)
+    inputs = inputs_from_run(run)
+    step = lambda prof: prof.forward_s(1) - prof.overhead_s  # noqa: E731
+    assert step(inputs.alone) == pytest.approx(step(inputs.models["target"]) / 1.6, rel=0.05)
+    decode = DecodeConfig(max_new_tokens=64)
+    ar = RateSource(inputs).ms(("target",), Setting("ar"), decode)
+    pipeline_target = RateSource(replace(inputs, alone=None)).ms(("target",), Setting("ar"), decode)
+    assert ar == pytest.approx(pipeline_target / 1.6, rel=0.1)
+    assert "AR's target from its own" in inputs.source
 
 
 def test_cli_paper_preset_json():
