@@ -152,8 +152,9 @@ def share_cpus(
     setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for).
 
     A last stage computes alone in AR, so there it takes the CPUs its node's other stages leave
-    idle (``solo``), unbound: AR is the target alone on the node's cores, as ``hierarchy=auto``
-    prices it. On 2 cores the three-stage default's AR ran one thread beside an idle middle stage
+    idle (``solo``; at least ``threads``, which sets how the stages of a pipeline share the node:
+    ``hierarchy=auto`` sets it on every stage it runs), unbound: AR is the target alone on the
+    node's cores, as ``hierarchy=auto`` prices it. On 2 cores the three-stage default's AR ran one thread beside an idle middle stage
     (43.5 tokens/s against 62.4 on both cores, held-out code, 2-core Xeon with AMX, 2026-12-05),
     which flattered every speed-up over it."""
     mine = affinities[rank]
@@ -162,7 +163,7 @@ def share_cpus(
         return CpuShare(threads or len(mine), cores=len(mine))
     cpus = sorted(mine)
     lasts = [r for r in node if r % n_stages == n_stages - 1]
-    alone = (threads or max(1, len(cpus) // len(lasts))) if rank in lasts else None
+    alone = max(threads or 1, len(cpus) // len(lasts)) if rank in lasts else None
     if len(node) <= len(cpus) or len(cpus) <= len(lasts):
         models = sum(r % n_stages not in light for r in node)
         if rank % n_stages in light:

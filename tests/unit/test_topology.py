@@ -124,6 +124,15 @@ def test_a_stage_threads_setting_sets_the_count_not_the_cpus():
     assert [(g.threads, g.cpus) for g in got] == [(2, (0,)), (2, (0,)), (2, (1,))]
 
 
+def test_ar_takes_the_idle_stages_cpus_whatever_the_pipelines_threads():
+    # hierarchy=auto sets every stage's threads (one each for two model stages on 2 CPUs); AR's
+    # last stage still computes on both, as auto priced it
+    got = shares(["a"] * 3, [{0, 1}] * 3, 3, threads=1, light=frozenset({0}))
+    assert [g.solo for g in got] == [None, None, 2]
+    # a count above the node's share stays the count
+    assert shares(["a"] * 3, [range(4)] * 3, 3, threads=8)[2].solo is None
+
+
 def test_a_stage_s_neighbours_are_the_stages_beside_it_in_its_replica():
     assert place(0, 6, 3).neighbours == [1]
     assert place(1, 6, 3).neighbours == [0, 2]
