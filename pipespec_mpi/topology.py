@@ -154,9 +154,9 @@ def share_cpus(
     A last stage computes alone in AR, so there it takes the CPUs its node's other stages leave
     idle (``solo``; at least ``threads``, which sets how the stages of a pipeline share the node:
     ``hierarchy=auto`` sets it on every stage it runs), unbound: AR is the target alone on the
-    node's cores, as ``hierarchy=auto`` prices it. On 2 cores the three-stage default's AR ran one thread beside an idle middle stage
-    (43.5 tokens/s against 62.4 on both cores, held-out code, 2-core Xeon with AMX, 2026-12-05),
-    which flattered every speed-up over it."""
+    node's cores, as ``hierarchy=auto`` prices it. On 2 cores the three-stage default's AR ran
+    one thread beside an idle middle stage (77.5 tokens/s against 114.4 on both cores, held-out
+    code, 2-core Xeon with AMX, 2026-12-05), which flattered every speed-up over it."""
     mine = affinities[rank]
     node = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     if any(affinities[r] != mine for r in node):
