@@ -31,8 +31,8 @@ from __future__ import annotations
 import os
 import select
 import socket
-from collections.abc import Iterable, Sequence
-from contextlib import suppress
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,6 +61,39 @@ class Doorbell:
         # every change the rank's stage waits for rings this bell by the time it is visible (set
         # by run/setup.py open_doorbell); False: its driver polls, woken early by a ring
         self.covers = False
+        self._holding = 0  # nested ``held`` blocks open
+        self._owed: set[int] = set()  # the ranks rung inside them
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Rings inside the block reach each rank once, as it ends. A batched stage's slots
+        publish one after another, each ringing its neighbours: a waiting neighbour woke for each
+        and stepped all of its slots again. A two-stage job's suffix drafter over 16 slots woke
+        1,267 times in a phase of about 80 target forwards, its slots' steps taking 0.04-0.08 of a
+        core from the target's two-thread forwards (news, 2-core Xeon with AMX, 2026-12-05). The
+        block is a loop over the slots' bookkeeping (a millisecond or two), never a forward: a
+        ring comes at most that late, and never after the stage's driver sleeps."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding:
+                owed, self._owed = sorted(self._owed), set()
+                for r in owed:
+                    self._send(r)
+
+    def ring(self, rank: int) -> None:
+        """Wake ``rank`` if it waits (never blocks; a bell it cannot reach is not rung); inside
+        ``held``, once the block ends."""
+        if self._holding:
+            self._owed.add(rank)
+        else:
+            self._send(rank)
+
+    def _send(self, rank: int) -> None:
+        with suppress(OSError):  # full (it will wake anyway), gone, or on another node
+            self.sock.sendto(b"\1", bell_address(self.token, rank))
 
     @classmethod
     def open(cls, token: str, rank: int) -> Doorbell | None:
@@ -74,11 +107,6 @@ class Doorbell:
             return None
         sock.setblocking(False)
         return cls(sock, token, rank)
-
-    def ring(self, rank: int) -> None:
-        """Wake ``rank`` if it waits (never blocks; a bell it cannot reach is not rung)."""
-        with suppress(OSError):  # full (it will wake anyway), gone, or on another node
-            self.sock.sendto(b"\1", bell_address(self.token, rank))
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until rung or ``timeout_s`` passed, then take every ring that came; whether one did."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import resource
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import psutil
@@ -221,7 +222,7 @@ class Runner:
                 loop.cfg = self.cfg.decode.for_batch(size)
             queue = None if b == 1 else JobQueue(len(group))
             slots = [slot(s, group, queue) for s in range(b)]
-            stepper = slots[0] if b == 1 else BatchedStage(slots, PerfClock(), score_batch)
+            stepper = slots[0] if b == 1 else self._batched(slots)
             try:
                 drive(stepper, self.cfg.run.stall_timeout_s, self.bell)
             except StallError as err:
@@ -233,6 +234,12 @@ class Runner:
             if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it
                 self._barrier(loops, f"phase {g + 1} of replica {self.pl.replica} to end", links.replica_comm)
         return done, left
+
+    def _batched(self, slots: list[StageProcess]) -> BatchedStage:
+        """A batched stage over ``slots``, each block of its slots' bookkeeping ringing every
+        neighbour once (``Doorbell.held``)."""
+        held = self.bell.held if self.bell is not None else nullcontext
+        return BatchedStage(slots, PerfClock(), score_batch, held=held)
 
     def _done(self) -> set[JobKey]:
         """What a resumed run already finished, read by rank 0 for every rank (an unreadable

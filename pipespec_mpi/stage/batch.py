@@ -36,6 +36,7 @@ PipeSpec ran at 0.88x batched AR at B=4 on held-out code.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -57,11 +58,20 @@ def score_alone(requests: list[tuple[object, list[int], list[int]]]) -> list[tor
 class BatchedStage:
     """One rank's stage over B slots; ``step()`` says DONE once every slot is done."""
 
-    def __init__(self, slots: Sequence[StageProcess], clock: Clock, score: ScoreBatch = score_alone) -> None:
+    def __init__(
+        self,
+        slots: Sequence[StageProcess],
+        clock: Clock,
+        score: ScoreBatch = score_alone,
+        held: Callable[[], AbstractContextManager[None]] = nullcontext,
+    ) -> None:
         if not slots:
             raise ValueError("a batched stage needs at least one slot")
         self.slots = list(slots)
         self.clock, self.score = clock, score
+        # the slots' bookkeeping before and after a forward, each in one block whose rings reach
+        # every neighbour once (``Doorbell.held``)
+        self.held = held
         self.done = [False] * len(self.slots)
         self.batches = 0  # batched forwards run
         self.rows = 0  # forwards in them
@@ -79,23 +89,26 @@ class BatchedStage:
         forwards: list[tuple[StageProcess, Forward]] = []
         moved = False
         waiting: list[int] = []  # slots that chose to wait for more proposals
-        for i, slot in enumerate(self.slots):
-            if self.done[i]:
-                continue
-            s = slot.advance(joining=bool(forwards))
-            moved |= self._took(i, s, forwards)
-            if not isinstance(s, Forward) and slot.waits_for_upstream:
-                waiting.append(i)
-        if forwards:  # the waits of slots decided before the first forward yield to it
-            for i in waiting:
-                moved |= self._took(i, self.slots[i].advance(joining=True), forwards)
+        with self.held():
+            for i, slot in enumerate(self.slots):
+                if self.done[i]:
+                    continue
+                s = slot.advance(joining=bool(forwards))
+                moved |= self._took(i, s, forwards)
+                if not isinstance(s, Forward) and slot.waits_for_upstream:
+                    waiting.append(i)
+            if forwards:  # the waits of slots decided before the first forward yield to it
+                for i in waiting:
+                    moved |= self._took(i, self.slots[i].advance(joining=True), forwards)
+        if forwards:
             forwards = self._allot(forwards)
             t0 = self.clock.now()
             logits = self.score([(slot.loop.model, f.seq, f.proposal) for slot, f in forwards])
             rows = sum(len(f.proposal) + 1 for _, f in forwards)
             self.row_cost.observe(len(forwards), rows, self.clock.now() - t0)
-            for (slot, f), rows in zip(forwards, logits, strict=True):
-                slot.complete(f, rows, t0)
+            with self.held():
+                for (slot, f), rows in zip(forwards, logits, strict=True):
+                    slot.complete(f, rows, t0)
             self.batches += 1
             self.rows += len(forwards)
             return Step.ACTED

@@ -203,3 +203,49 @@ def test_a_batched_stage_is_patient_only_when_every_live_slot_is():
     assert not stage.patient()  # the decoding slot owes a send: it polls
     stage.done[1] = True
     assert stage.patient()
+
+
+def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never_waits_for_one():
+    """The slots' advances and their completions each run in one ``held`` block (rings reach
+    each neighbour once, as the block ends: ``Doorbell.held``); the forward runs between them,
+    so no ring waits for it."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from pipespec_mpi.speculative.policy import Act
+    from pipespec_mpi.stage.loop import Forward
+
+    depth, log = [0], []
+
+    @contextmanager
+    def held():
+        depth[0] += 1
+        log.append("open")
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+            log.append("close")
+
+    def slot(i: int) -> SimpleNamespace:
+        def advance(joining: bool) -> Forward:
+            log.append(f"advance {i} held={depth[0]}")
+            return Forward(Act.OWN, [1, 2], [])
+
+        def complete(f, rows, t0) -> None:
+            log.append(f"complete {i} held={depth[0]}")
+
+        return SimpleNamespace(advance=advance, complete=complete, waits_for_upstream=False,
+                               loop=SimpleNamespace(est=None, model=None))  # fmt: skip
+
+    def score(requests):
+        log.append(f"forward held={depth[0]}")
+        return [torch.zeros(1, 4) for _ in requests]
+
+    stage = BatchedStage([slot(0), slot(1)], clock=SimpleNamespace(now=lambda: 0.0), score=score, held=held)
+    stage.step()
+    assert log == [
+        "open", "advance 0 held=1", "advance 1 held=1", "close",
+        "forward held=0",
+        "open", "complete 0 held=1", "complete 1 held=1", "close",
+    ]  # fmt: skip

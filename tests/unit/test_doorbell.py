@@ -21,7 +21,7 @@ from pipespec_mpi.comm.doorbell import (
 )
 from pipespec_mpi.stage.loop import Step
 from pipespec_mpi.stage.ports import Header
-from pipespec_mpi.stage.process import QUIET_S, drive
+from pipespec_mpi.stage.process import QUIET_MAX_S, QUIET_S, drive, quiet_limit
 
 
 @pytest.fixture
@@ -258,3 +258,47 @@ def test_drive_backs_off_to_the_quiet_limit_at_a_ringing_collective_and_polls_ag
     bell.covers = False  # rings may not come: the 1 ms polls of old
     drive(Stepper([Step.WAITING] * 9, rung=False, patient=True), stall_timeout_s=60, bell=bell)
     assert max(bell.waits) == pytest.approx(1e-3)
+
+
+def test_rings_inside_a_held_block_reach_each_rank_once_as_it_ends(bells):
+    """``Doorbell.held``: a batched stage's slots publish one after another; their neighbour
+    wakes once for all of them, when the block ends (nested blocks: the outermost)."""
+    a, b = bells
+    with a.held():
+        a.ring(1)
+        with a.held():
+            a.ring(1)
+            a.ring(7)  # no such rank: owed, then not reached, as outside a block
+        assert not b.wait(0.0)  # nothing yet, the outer block is open
+        a.ring(1)
+    assert b.drain() == [0]  # one ring for the three
+    a.ring(1)  # outside a block: at once
+    assert b.drain() == [0]
+    with pytest.raises(RuntimeError), a.held():  # an error inside the block still rings
+        a.ring(1)
+        raise RuntimeError("a slot failed")
+    assert b.drain() == [0]
+
+
+def test_the_quiet_limit_grows_with_a_waiting_steps_cost_to_keep_its_wakeups_cheap():
+    """A stage whose waiting step costs more (many slots) sleeps longer without a ring: its
+    safety-net wake-ups stay within a hundredth of a core, between QUIET_S and QUIET_MAX_S."""
+    assert quiet_limit(0.0) == QUIET_S and quiet_limit(1e-5) == QUIET_S  # a slot or a few
+    assert quiet_limit(5e-4) == pytest.approx(0.05)  # sixteen slots: half a millisecond a step
+    assert quiet_limit(0.01) == QUIET_MAX_S
+
+    now = [0.0]
+
+    class Costly(Stepper):
+        def step(self):
+            now[0] += 0.002  # every step takes 2 ms of the stage clock
+            return super().step()
+
+    bell = FakeBell()
+    drive(Costly([Step.WAITING] * 6), stall_timeout_s=60, bell=bell, clock=lambda: now[0])
+    assert all(QUIET_S < w <= QUIET_MAX_S for w in bell.waits)
+    assert bell.waits == sorted(bell.waits) and bell.waits[-1] == QUIET_MAX_S  # an average of steps
+    bell.waits.clear()
+    drive(Costly([Step.WAITING] * 14, rung=False, patient=True), stall_timeout_s=60, bell=bell,
+          clock=lambda: now[0])  # fmt: skip
+    assert max(bell.waits) == QUIET_MAX_S  # a collective's backoff reaches the same limit
