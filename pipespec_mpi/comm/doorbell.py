@@ -71,9 +71,9 @@ class Doorbell:
         and stepped all of its slots again. A two-stage job's suffix drafter over 16 slots woke
         224 times to rings (and 931 times without one: ``stage/process.py quiet_limit``) in a
         phase of about 80 target forwards, its 0.07-0.09 of a core taken from the target's
-        two-thread forwards (news, 2-core Xeon with AMX, 2026-12-05). The
-        block is a loop over the slots' bookkeeping (a millisecond or two), never a forward: a
-        ring comes at most that late, and never after the stage's driver sleeps."""
+        two-thread forwards (news, 2-core Xeon with AMX, 2026-12-05). The block is a loop over
+        the slots' bookkeeping (a millisecond or two), never a forward: a ring comes at most that
+        late, and never after the stage's driver sleeps."""
         self._holding += 1
         try:
             yield

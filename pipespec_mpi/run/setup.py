@@ -59,9 +59,12 @@ class CpuPlacement:
     (AR) takes ``share.solo`` threads, unbound."""
 
     def __init__(self, share: CpuShare, mode: str) -> None:
+        import torch
+
         self.share, self.mode = share, mode
         self.home = self.current = frozenset(os.sched_getaffinity(0))
-        self.threads = share.threads  # its torch threads now (set by ``place_cpus``)
+        self.threads = share.threads  # its torch threads now
+        torch.set_num_threads(self.threads)
 
     @property
     def cores(self) -> float | None:
@@ -103,12 +106,9 @@ class CpuPlacement:
 def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:
     """This rank's share of its node (``topology.share_cpus``, from every rank's CPU affinity:
     collective over ``world.comm``; model-free stages count as light), its torch threads set."""
-    import torch
-
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
     threads = hier.stages[stage].threads
     share = share_cpus(world.rank, world.hosts, affinities, hier.n_stages, threads, hier.model_free)
-    torch.set_num_threads(share.threads)
     return CpuPlacement(share, mode)
 
 

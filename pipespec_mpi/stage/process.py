@@ -247,11 +247,10 @@ def drive(
     a neighbour rings ``bell`` (or the stepper's own ``recheck_at``, or the quiet limit:
     ``quiet_limit``) where the bell covers what it waits for; at a collective whose other stages
     ring when they join (``patient``), backoff sleeps up to the quiet limit, started again by
-    every ring (a collective
-    completes only as its members poll it, so a ring says: poll soon); elsewhere backoff sleeps
-    of 20 us doubling to 1 ms, cut short by a ring; never spinning. ``StallError`` once nothing
-    has moved for ``stall_timeout_s``. ``clock``: the stage clock ``recheck_at`` is on, and its
-    waiting steps' cost (``quiet_limit``)."""
+    every ring (a collective completes only as its members poll it, so a ring says: poll soon);
+    elsewhere backoff sleeps of 20 us doubling to 1 ms, cut short by a ring; never spinning.
+    ``StallError`` once nothing has moved for ``stall_timeout_s``. ``clock``: the stage clock
+    ``recheck_at`` is on, and its waiting steps' cost (``quiet_limit``)."""
     backoff = Backoff()
     last = time.monotonic()
     cost = 0.0  # a waiting step's seconds (exponential average)
