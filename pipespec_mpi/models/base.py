@@ -65,6 +65,27 @@ class KVScorer:
         self.exact_rows = exact_rows and (kernel or self._rows is not None)
 
     @property
+    def thread_invariant(self) -> bool:
+        """Its logits are bitwise the same on any number of threads: the lean forward with the
+        row kernel's attention for every row (prefill too) and every linear layer on the CPU
+        kernels (models/flat_linear.py, lowbit.py). Elsewhere (torch's GEMM and SDPA, a GPU)
+        they may differ in the last bit with the thread count (tests/unit/test_kernel_threads.py)."""
+        if self._lean is None or self._lean.rows_kernel is None or not self.exact_rows:
+            return False
+        from pipespec_mpi.models.flat_linear import FlatLinear
+        from pipespec_mpi.models.lowbit import LowBitLinear
+
+        def on_kernels(m: torch.nn.Module) -> bool:
+            if isinstance(m, FlatLinear):
+                return m.tiled
+            if isinstance(m, LowBitLinear):
+                return m._fn is not None and not m.dense
+            return isinstance(m, torch.nn.Embedding) or "RMSNorm" in type(m).__name__
+
+        # every module holding weights (torch's or quantized linears among them) must be one of these
+        return all(on_kernels(m) for m in self.model.modules() if hasattr(m, "weight") or hasattr(m, "w0"))
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
@@ -77,7 +98,7 @@ class KVScorer:
         self._cache = preallocated_cache(self.model.config, len(prompt) + room)
         self._len = 0
         if len(prompt) > 1:
-            self._forward_once(list(prompt[:-1]), keep=1)
+            self._forward_once(list(prompt[:-1]), keep=1, rows_alone=self.exact_rows)
 
     def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         """Logits [keep, V] of the last ``keep`` of ``tokens``, appended to the cache; forwards

@@ -34,6 +34,8 @@ from typing import NamedTuple
 
 import torch
 
+from pipespec_mpi.models.dispatch import cpu_isa, supported_isas
+
 log = logging.getLogger("pipespec_mpi")
 MAX_ROWS = 16
 
@@ -59,26 +61,6 @@ def kernels_digest() -> str:
 _EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it failed to build
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo, read once per process; empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def cpu_isa() -> str | None:
-    """The widest vector ISA the kernel has a build for: "avx512", "avx2", or None."""
-    flags = cpu_flags()
-    if {"avx512f", "avx512vl", "fma"} <= flags:
-        return "avx512"
-    if {"avx2", "fma"} <= flags:
-        return "avx2"
-    return None
-
-
 _ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512vl", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 # at::parallel_for splits a kernel's work over the rank's torch threads only where the kernel is
 # compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel
@@ -86,12 +68,6 @@ _ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512vl", "-mavx2", "-mfma"), "avx2": 
 # 18.2 ms on one thread, 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp,
 # the extension uses the libgomp.so.1 torch has already loaded (same soname).
 _OPENMP_FLAGS = ("-fopenmp",)  # a tuple: torch appends its own -L/-l flags to the list it is given
-
-
-def supported_isas() -> list[str]:
-    """The kernel builds this CPU can run, widest first."""
-    isa = cpu_isa()
-    return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"]}.get(isa or "", [])
 
 
 def build(name: str, source: str, functions: list[str], isa: str | None, cflags: tuple[str, ...] = ()):
@@ -123,7 +99,8 @@ def build(name: str, source: str, functions: list[str], isa: str | None, cflags:
 def extension(isa: str | None = None):
     """The compiled float32 kernel for ``isa`` (default: the widest this CPU has), or None."""
     source = kernel_source("flat_linear.cpp")
-    return build("pipespec_flat_linear_v3", source, ["small_m_linear", "lanes", "parallel_threads"], isa)
+    functions = ["small_m_linear", "tiled_linear", "tiles_sequential", "lanes", "parallel_threads"]
+    return build("pipespec_flat_linear_v4", source, functions, isa)
 
 
 class Blocks(NamedTuple):
@@ -144,14 +121,19 @@ class FlatLinear(torch.nn.Module):
         self.bias = linear.bias
         self.kernel = kernel
         self.blocks = blocks
+        # Wider forwards on torch's GEMM in tiles where MKL can run each tile alone, else on the
+        # small-row kernel (bitwise the same on any threads either way; the kernel is slower there).
+        self.tiled = bool(kernel.tiles_sequential())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        # More rows (a long prompt's prefill): torch's blocked GEMM is the better kernel.
-        if rows > MAX_ROWS or x.dtype != torch.float32:
+        if x.dtype != torch.float32:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
-        if self.blocks is not None:
+        if rows > MAX_ROWS:  # a prompt's prefill: torch's GEMM on fixed tiles (thread-invariant)
+            wide = self.kernel.tiled_linear if self.tiled else self.kernel.small_m_linear
+            y = wide(x2, self.weight)
+        elif self.blocks is not None:
             y = self.blocks.fn(x2, *self.blocks.tensors)
         else:
             y = self.kernel.small_m_linear(x2, self.weight)

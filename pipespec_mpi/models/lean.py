@@ -57,6 +57,7 @@ log = logging.getLogger("pipespec_mpi")
 # prefill lengths, at several offsets.
 _PROBE_LENGTHS = (*range(1, 18), 31, 33, 64, 100)
 _TABLE_START = 512  # positions in the first table; it doubles when a sequence outgrows it
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs an element-wise op of fewer on one thread
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -121,11 +122,22 @@ class _Layer:
             gate, up = gu[..., :n].contiguous(), gu[..., n:]
         else:
             gate, up = self.gate(x), self.up(x)
-        if bounds is None or gate.shape[-1] % 64 == 0:  # rows start on a vector boundary: one call
-            act = self.act(gate)
-        else:  # the vector/scalar split must fall as in each sequence's own forward
-            act = torch.cat([self.act(gate[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])], dim=1)
-        return self.down(act * up)
+        return self.down(_pieces(self.act, gate, bounds) * up)
+
+
+def _pieces(act: Linear, gate: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
+    """``act(gate)`` [1, T, W] with its vector/scalar split fixed by the rows alone. torch splits
+    an element-wise op of _GRAIN elements or more over its threads at element offsets, and the
+    vectorised and scalar activations differ in the last bit, so such calls run per piece of rows
+    under _GRAIN (one thread each). ``bounds``: the sequences sharing ``gate``; where rows do not
+    start on a vector boundary, each sequence's pieces fall as in its own forward."""
+    t, width = gate.shape[1], gate.shape[-1]
+    spans = [(0, t)] if bounds is None or width % 64 == 0 else list(zip(bounds, bounds[1:]))
+    step = max(1, _GRAIN // width)  # a row wider than _GRAIN still splits (none on CPU targets)
+    pieces = [(a, min(a + step, hi)) for lo, hi in spans for a in range(lo, hi, step)]
+    if len(pieces) == 1:
+        return act(gate)
+    return torch.cat([act(gate[:, a:b]) for a, b in pieces], dim=1)
 
 
 class LeanLlama:

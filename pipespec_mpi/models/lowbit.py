@@ -43,7 +43,8 @@ import logging
 
 import torch
 
-from pipespec_mpi.models.flat_linear import Blocks, FlatLinear, build, cpu_flags, cpu_isa, kernel_source
+from pipespec_mpi.models.dispatch import cpu_flags, cpu_isa
+from pipespec_mpi.models.flat_linear import Blocks, FlatLinear, build, kernel_source
 
 log = logging.getLogger("pipespec_mpi")
 BLOCK = 32

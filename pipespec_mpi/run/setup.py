@@ -86,6 +86,17 @@ class CpuPlacement:
         """The CPUs it is bound to now (None: those it was launched with)."""
         return None if self.current == self.home else sorted(self.current)
 
+    def as_alone(self) -> None:
+        """Compute in every method as the last stage computes alone (AR): ``share.solo`` threads,
+        unbound. For a stage whose logits may change with the thread count (not on the CPU
+        kernels: models/base.py ``thread_invariant``), so that no method's output differs from
+        the reference's by its threads."""
+        import torch
+
+        self.share = CpuShare(self.share.solo, None, cores=self.share.cores)
+        self.threads = self.share.threads
+        torch.set_num_threads(self.threads)
+
     def enter(self, batch_size: int, method: str) -> None:
         """Threads and CPUs for a job of ``method`` at ``batch_size`` (idempotent: the jobs of a
         phase ask alike; at batch 1 the methods alternate job by job)."""
@@ -160,6 +171,9 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
         t0 = time.perf_counter()
         model = load_stage(cfg.hierarchy, pl.stage, cuda_devices)
+        if cpus.share.solo is not None and not getattr(model, "thread_invariant", False):
+            cpus.as_alone()  # no method's output may differ from AR's by its threads
+            log.info("stage %d: %d threads in every method (not thread-invariant)", pl.stage, cpus.threads)
         log.info(
             "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
             *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),

@@ -4,24 +4,28 @@ one-thread result whatever the split, so a rank's thread count never changes wha
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from pipespec_mpi.models import flat_linear
+from pipespec_mpi.config import TinyBaseConfig
+from pipespec_mpi.models import dispatch, flat_linear
 from pipespec_mpi.models.attention import rows_kernel
-from pipespec_mpi.models.kv_cache import preallocated_cache
+from pipespec_mpi.models.base import KVScorer, score_batch
 from pipespec_mpi.models.lowbit import FORMATS, quantize
 from pipespec_mpi.models.lowbit import extension as lowbit_extension
-from tests.unit.test_lean import STEPS, lean_for, model_for, run_lean
+from tests.unit.test_lean import model_for
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(flat_linear.extension(isa) is None, reason="no build"))
-    for isa in flat_linear.supported_isas()
+    for isa in dispatch.supported_isas()
 ]
 if not ISAS:
     ISAS = [pytest.param(None, marks=pytest.mark.skip(reason="no vector ISA for the kernels"))]
 
-THREADS = (2, 3)  # more threads than this machine's cores is allowed and must not matter
+# every count up to the machine's CPUs, and one more (more threads than cores must not matter)
+THREADS = tuple(range(2, (os.cpu_count() or 1) + 2))
 
 
 @pytest.fixture
@@ -88,18 +92,73 @@ def test_row_attention_bitwise_whatever_the_threads(isa, threads):
         assert torch.equal(threads(t, fn, q, ks, vs, bounds, 0.125), one), t
 
 
-def test_lean_forward_bitwise_whatever_the_threads(threads):
-    """The whole decoding path of a stage (fused linears, the row kernel's attention; prefill on
-    torch's GEMM) gives bitwise the same logits on one thread and on several."""
+# SmolLM2's attention shapes (9 query and 3 key heads of 64), and an MLP whose prefill activation
+# torch splits over threads mid-vector
+WIDE = TinyBaseConfig(hidden_size=576, intermediate_size=1100, num_heads=9, num_kv_heads=3, num_layers=2)
 
-    def run() -> list[torch.Tensor]:
-        model = model_for("tiny", flat=flat_linear.extension() is not None)
-        return run_lean(lean_for(model), preallocated_cache(model.config, 64), STEPS)
 
-    one = threads(1, run)
+def _stage_logits(base: str) -> list[torch.Tensor]:
+    """Every logit row the output stage's scorer (exact rows, as load_stage builds it) computes
+    through a prefill of 37 tokens (torch's GEMM in tiles, the row kernel's attention), one-token
+    steps, verifications of 2..16 and 21 rows (split in kernel-sized forwards), rollbacks, and
+    batched forwards of three slots."""
+    model = model_for(WIDE if base == "wide" else base, flat=True)
+    sc = KVScorer("target", model, torch.device("cpu"), exact_rows=True)
+    assert sc.thread_invariant, "the output stage should run on the CPU kernels alone"
+    prompt = [(7 * i) % 250 for i in range(38)]
+    out = []
+    sc.prefill(prompt, room=64)
+    seq = list(prompt)
+    for k in (0, 0, 1, 3, *range(5, 17), 20):
+        proposal = [(11 * i + k) % 250 for i in range(k)]
+        logits = sc.logits(seq, proposal)
+        out.append(logits)
+        kept = k // 2
+        seq = seq + proposal[:kept] + [int(logits[kept].argmax())]
+        sc.truncate(len(seq) - 1)
+    slots = [sc.for_slot() for _ in range(3)]
+    seqs = [prompt[: 20 + 5 * i] for i in range(3)]
+    for slot, s in zip(slots, seqs, strict=True):
+        slot.prefill(s, room=32)
+    for k in (0, 2, 4):
+        reqs = [
+            (slot, s, [(3 * i + k + j) % 250 for i in range(k + j)])
+            for j, (slot, s) in enumerate(zip(slots, seqs))
+        ]
+        out.extend(score_batch(reqs))
+        for slot, s in zip(slots, seqs, strict=True):
+            slot.truncate(len(s) - 1)
+    return out
+
+
+@pytest.mark.skipif(not ISAS or flat_linear.extension() is None, reason="no kernel build")
+@pytest.mark.parametrize("base", ["tiny", "wide"])
+def test_output_stage_bitwise_whatever_the_threads(base, threads):
+    """The output stage's logits, bitwise the same on one thread and on every count up to the
+    machine's CPUs and beyond: so AR, which computes alone on all of a node's CPUs, and the
+    pipelines, whose target computes on its share, commit the same tokens. ("wide": SmolLM2's
+    heads, where torch's SDPA rounds a prefill differently by threads, and an MLP whose prefill
+    activation torch would split over threads mid-vector.)"""
+    one = threads(1, _stage_logits, base)
     for t in THREADS:
-        for i, (a, b) in enumerate(zip(one, threads(t, run), strict=True)):
-            assert torch.equal(a, b), (t, i)
+        for i, (a, b) in enumerate(zip(one, threads(t, _stage_logits, base), strict=True)):
+            assert torch.equal(a, b), (base, t, i)
+
+
+@pytest.mark.skipif(flat_linear.extension() is None, reason="no kernel build")
+@pytest.mark.parametrize("m", [17, 37, 150])
+def test_tiled_gemm_bitwise_whatever_the_threads(m, threads):
+    """A prefill's linears (torch's GEMM, each tile on one thread): the same bits on any count,
+    for shapes torch's own threaded GEMM rounds differently (MKL's AVX2 path: all of them)."""
+    ext = flat_linear.extension()
+    assert ext.tiles_sequential()
+    g = torch.Generator().manual_seed(m)
+    for n, k in ((576, 576), (192, 576), (1536, 576), (250, 64), (100, 64)):
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+        one = threads(1, ext.tiled_linear, x, w)
+        assert torch.allclose(one, x @ w.T, atol=1e-4, rtol=1e-4)
+        for t in THREADS:
+            assert torch.equal(threads(t, ext.tiled_linear, x, w), one), (n, k, t)
 
 
 def test_a_build_leaves_the_next_builds_flags_alone(monkeypatch):
@@ -117,7 +176,7 @@ def test_a_build_leaves_the_next_builds_flags_alone(monkeypatch):
         extra_ldflags += ["-L/torch/lib", "-lc10"]  # as torch's _prepare_ldflags does
         return object()
 
-    isas = flat_linear.supported_isas()
+    isas = dispatch.supported_isas()
     if not isas:
         pytest.skip("no vector ISA for the kernels")
     monkeypatch.setenv("PIPESPEC_FLAT_LINEAR", "1")

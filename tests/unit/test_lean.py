@@ -47,9 +47,11 @@ STEPS = [
 ]
 
 
-def model_for(base: str, *, flat: bool, attn: str = "sdpa_gqa", int8: bool = False) -> LlamaForCausalLM:
+def model_for(
+    base: str | TinyBaseConfig, *, flat: bool, attn: str = "sdpa_gqa", int8: bool = False
+) -> LlamaForCausalLM:
     """A tiny random Llama as load_stage prepares it (deterministic: equal builds are equal)."""
-    model = build_tiny(BASES[base], None, 0.0, 0, torch.float32)
+    model = build_tiny(BASES[base] if isinstance(base, str) else base, None, 0.0, 0, torch.float32)
     if attn == "sdpa_gqa":
         assert use_sdpa_gqa(model)
     if int8:

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import ConfigError, compose_config, validate
-from pipespec_mpi.models import flat_linear
+from pipespec_mpi.models import dispatch, flat_linear
 from pipespec_mpi.models.lowbit import (
     DENSE_ROWS,
     FORMATS,
@@ -80,7 +80,7 @@ def test_odd_input_size_is_refused():
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", flat_linear.supported_isas())
+@pytest.mark.parametrize("isa", dispatch.supported_isas())
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(70, 96), (1, 32), (129, 576), (66, 1536)])
 def test_kernel_matches_its_weights_and_rows_are_independent(isa, fmt, n, k):

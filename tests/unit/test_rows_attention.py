@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipespec_mpi.models.attention import rows_kernel
-from pipespec_mpi.models.flat_linear import supported_isas
+from pipespec_mpi.models.dispatch import supported_isas
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(rows_kernel(isa) is None, reason="no build"))

@@ -1,6 +1,12 @@
 #include "simd.h"
 
+#include <ATen/ThreadLocalState.h>
+
 #include <atomic>
+
+// MKL's per-thread thread count (the C interface; libtorch_cpu exports it where torch is built
+// with MKL). Weak: null where torch's BLAS is another library.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
 // Output rows [n0, n1) for G rows of x, two weight rows per pass: each weight vector is loaded
 // once for the G rows (the two rows, a few KB, stay in L1 for the next group). Every output
@@ -92,6 +98,36 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   run(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
+// y[M, N] = x[M, K] @ w[N, K]^T for any M (a prompt's prefill): torch's GEMM on fixed tiles of
+// TILE output columns, each tile one GEMM call that MKL runs on one thread. MKL's own threaded
+// GEMM rounds differently with the thread count (and its AVX2 path, the one it takes on AMD CPUs,
+// for more shapes); a tile's result depends only on its shape, so y is bitwise the same on any
+// number of threads. The tiles are spread over the rank's torch threads.
+static const int64_t TILE = 48;  // columns: 576, 192 and 1536 split evenly over 2, 3 or 4 threads
+
+bool tiles_sequential() { return MKL_Set_Num_Threads_Local != nullptr; }
+
+torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
+  TORCH_CHECK(tiles_sequential(), "tiled_linear needs torch's MKL (MKL_Set_Num_Threads_Local)");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), tiles = (N + TILE - 1) / TILE;
+  auto y = torch::empty({M, N}, x.options());
+  const at::ThreadLocalState caller;  // inference mode and dispatch state, for the pool's threads
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const at::ThreadLocalStateGuard guard(caller);
+    const int before = MKL_Set_Num_Threads_Local(1);  // this thread's GEMM calls run alone
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE, n = std::min(N, n0 + TILE) - n0;
+      auto out = y.narrow(1, n0, n);  // rows of stride N: GEMM writes it in place
+      at::mm_out(out, x, w.narrow(0, n0, n).t());
+    }
+    MKL_Set_Num_Threads_Local(before);
+  });
   return y;
 }
 
