@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -26,16 +25,10 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
 
 def cpu_identity() -> dict[str, object]:
     """CPU model and the ISA extensions among ``ISA_FLAGS`` it has (from /proc/cpuinfo)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            fields.setdefault(k.strip(), v.strip())  # the first processor's
-    except OSError:
-        pass
-    flags = set(fields.get("flags", "").split())
-    model = fields.get("model name") or platform.processor() or platform.machine()
-    return {"cpu": model, "isa": [f for f in ISA_FLAGS if f in flags]}
+    from pipespec_mpi.models.dispatch import cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    return {"cpu": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def gpu_identity() -> str | None:

@@ -14,6 +14,7 @@ from pipespec_mpi.config.schema import (
     DRAFTER_KINDS,
     DTYPES,
     EPOCHS_WINDOWS,
+    KERNELS,
     METHODS,
     MODES,
     ON_ERROR,
@@ -198,6 +199,8 @@ def validate(cfg: AppConfig) -> list[str]:
     p.extend(dataset_problems(cfg.dataset))
 
     t = cfg.transport
+    if cfg.device.kernels not in KERNELS:
+        p.append(f"device.kernels={cfg.device.kernels!r}: must be one of {KERNELS}")
     if t.kind not in TRANSPORTS:
         p.append(f"transport.kind={t.kind!r}: must be one of {TRANSPORTS}")
     if t.depth < 1 or t.max_msg_tokens < 1:

@@ -295,6 +295,20 @@ class AutoConfig:
         self.batch_sizes = tuple(self.batch_sizes)
 
 
+KERNELS = ("cpu", "portable")
+
+
+@dataclass
+class DeviceConfig:
+    """What computes a model stage's forwards (models/loader.py, the device seam: platform.py)."""
+
+    # cpu: a stage on a CPU runs its transformers model through the lean forward and the project's
+    # kernels (float32: bitwise the same on any threads), a stage on a GPU the portable engine;
+    # portable: every Llama stage runs the portable engine (models/engine.py: plain torch, B
+    # slots in one forward, on any device)
+    kernels: str = "cpu"
+
+
 @dataclass
 class AppConfig:
     hierarchy: HierarchyConfig
@@ -305,3 +319,4 @@ class AppConfig:
     run: RunConfig = field(default_factory=RunConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -176,7 +176,16 @@ def score_batch(requests: Sequence[Request]) -> list[torch.Tensor]:
     rows, so that every row is bitwise its sequence's own forward (greedy stays lossless). Other
     requests (other scorers, a longer catch-up forward) run one forward each.
     """
+    from pipespec_mpi.models.portable import PortableScorer, score_many
+
     out: list[torch.Tensor | None] = [None] * len(requests)
+    engines: dict[int, list[int]] = {}  # the portable engine's slots: one forward per engine
+    for i, (sc, _, _) in enumerate(requests):
+        if isinstance(sc, PortableScorer):
+            engines.setdefault(id(sc.engine), []).append(i)
+    for idx in engines.values():
+        for i, rows in zip(idx, score_many([requests[i] for i in idx]), strict=True):
+            out[i] = rows
     group: list[tuple[int, KVScorer, list[int], int]] = []  # (index, scorer, new tokens, keep)
 
     def flush() -> None:
@@ -199,6 +208,8 @@ def score_batch(requests: Sequence[Request]) -> list[torch.Tensor]:
         group.clear()
 
     for i, (sc, seq, proposal) in enumerate(requests):
+        if out[i] is not None:
+            continue
         batchable = isinstance(sc, KVScorer) and sc.batchable
         lean = sc._lean if batchable else None
         new = sc._new_tokens(seq, proposal) if batchable else []

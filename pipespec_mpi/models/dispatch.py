@@ -58,13 +58,31 @@ SETTINGS = {
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo, read once per process; empty where there is none)."""
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (read once per process; {} where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((ln for ln in f if ln.startswith("flags")), "").split())
+            for line in f:
+                if not line.strip():
+                    break
+                k, _, v = line.partition(":")
+                fields.setdefault(k.strip(), v.strip())
     except OSError:
-        return frozenset()
+        pass
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    return frozenset(cpuinfo().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (the platform's processor or machine where /proc/cpuinfo has none)."""
+    import platform
+
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def widest_isa() -> str | None:

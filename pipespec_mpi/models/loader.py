@@ -9,6 +9,7 @@ that is not on disk fails at once with a message naming the stage, the id and th
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
 from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pipespec_mpi.stage.ports import Proposer, Scorer
+
+log = logging.getLogger("pipespec_mpi")
 
 DTYPES = {
     "float32": torch.float32,
@@ -130,17 +133,27 @@ def _load_torch_model(
     raise ValueError(f"stage {stage.name!r}: kind {stage.kind!r} has no torch model")
 
 
-def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Scorer | Proposer:
-    """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer."""
+def load_stage(
+    hier: HierarchyConfig, index: int, cuda_devices: list[int], kernels: str = "cpu"
+) -> Scorer | Proposer:
+    """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer. ``kernels``
+    (``device.kernels``): "portable" runs every Llama stage on the portable engine; "cpu" runs
+    the stages on a GPU on it and those on a CPU as transformers models (the lean forward and the
+    project's kernels where they apply: models/base.py)."""
     stage = hier.stages[index]
     if stage.kind == "prompt_lookup":
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
     if stage.kind == "suffix":
         return _suffix_drafter(hier, stage)
     device = resolve_device(stage, cuda_devices)
-    if stage.kind in ("int8_copy", "lowbit_copy"):
+    derived = stage.kind in ("int8_copy", "lowbit_copy")  # copies on the CPU kernels (or fbgemm)
+    if derived:
         device = torch.device("cpu")
     model = _load_torch_model(hier, index, device, cuda_devices)
+    if not derived and (kernels == "portable" or device.type != "cpu"):
+        scorer = _portable(stage.name, model)
+        if scorer is not None:
+            return scorer
     if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
         use_sdpa_gqa(model)
     if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
@@ -154,6 +167,20 @@ def load_stage(hier: HierarchyConfig, index: int, cuda_devices: list[int]) -> Sc
     if exact_rows is None and index == hier.n_stages - 1:
         exact_rows = True  # the output's stage: exact with or without the row kernel
     return KVScorer(stage.name, model, device, exact_rows=exact_rows)
+
+
+def _portable(name: str, model: torch.nn.Module) -> Scorer | None:
+    """``model`` on the portable engine (models/engine.py), or None (logged) where it cannot run."""
+    from pipespec_mpi.models.engine import Weights, unsupported_reason
+    from pipespec_mpi.models.portable import Engine, PortableScorer
+
+    why = unsupported_reason(model)
+    if why is not None:
+        log.info("%s: transformers forward (portable engine: %s)", name, why)
+        return None
+    n = getattr(model.config, "max_position_embeddings", None)
+    log.info("%s: portable engine on %s, %s", name, model.device, model.dtype)
+    return PortableScorer(name, Engine(Weights.of(model.eval()), max_context=int(n) if n else None))
 
 
 def _suffix_drafter(hier: HierarchyConfig, stage: StageConfig) -> SuffixDrafter:

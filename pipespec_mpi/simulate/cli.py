@@ -80,6 +80,40 @@ def format_fit_table(rows: Sequence[dict], md: bool = False) -> str:
     return layout.render(cols, cells, md=md)
 
 
+def profile_rows(path: str, setting: PaperSetting, batch_sizes: Sequence[int], sd_window: int,
+                 lookahead: int) -> dict:  # fmt: skip
+    """AR, SD and PipeSpec over the paper's hierarchies with a measured profile's forward costs
+    and the paper's acceptance, at each batch size."""
+    from dataclasses import replace
+
+    from pipespec_mpi.simulate.profile import profiles_from
+
+    doc = json.loads(Path(path).read_text())
+    profiles, source = profiles_from(doc)
+    rows = []
+    for b in batch_sizes:
+        for r in paper_rows(replace(setting, profiles=profiles, batch_size=b), sd_window, lookahead):
+            rows.append({**r, "batch_size": b})
+    return {
+        "device": doc["device"],
+        "dtype": doc["dtype"],
+        "date": doc.get("date"),
+        "models": source,
+        "rows": rows,
+    }
+
+
+def format_profile_table(out: dict, md: bool = False) -> str:
+    cols = [Column("batch", True), Column("method"), Column("models"), Column("ms/token", True),
+            Column("x AR", True)]  # fmt: skip
+    cells = [[str(r["batch_size"]), r["method"], " -> ".join(r["models"]), f"{r['ms_per_token']:.2f}",
+              f"{r['speedup']:.2f}x"] for r in out["rows"]]  # fmt: skip
+    head = f"{out['device']} ({out['dtype']}, {out['date']}); paper acceptance; " + "; ".join(
+        f"{m}: {s}" for m, s in out["models"].items()
+    )
+    return head + "\n" + layout.render(cols, cells, md=md)
+
+
 SETTINGS = ("decode", "run.epochs_window")  # the app's keys this tool reads (decode.*)
 
 
@@ -106,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=["paper"], help="the paper's setting (Llama 3, A100s)")
     src.add_argument("--fit-paper-rates", action="store_true", help="re-derive PAPER_RATES (slow: ~1 min)")
+    src.add_argument("--profile", metavar="FILE",
+                     help="the paper's hierarchy with the forward costs a device measured "
+                     "(python -m pipespec_mpi.simulate.profile; bench/gpu_check.sh)")  # fmt: skip
+    ap.add_argument(
+        "--batch-sizes", default="1,8", help="--profile: batch sizes to predict (comma-separated)"
+    )
     ap.add_argument("--plot", help="runs: write predicted vs measured to this PNG")
     fmt = ap.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="machine-readable output")
@@ -119,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="runs: i.i.d. acceptance instead of the records' traces")  # fmt: skip
     a = ap.parse_args(argv)
     run_dirs, settings = split_tool_args(a.args)
-    if bool(run_dirs) + bool(a.preset) + a.fit_paper_rates != 1:
-        ap.error("give run directories, --preset paper or --fit-paper-rates (one of them)")
+    if bool(run_dirs) + bool(a.preset) + a.fit_paper_rates + bool(a.profile) != 1:
+        ap.error("give run directories, --preset paper, --profile FILE or --fit-paper-rates (one of them)")
     try:
         cfg, given = compose_tool_config(settings, SETTINGS)
         d = cfg.decode
@@ -129,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rates = fit_paper_rates(a.acceptance, lookahead=lookahead)
             out = {f"{x} -> {y}": v for (x, y), v in rates.items()}
             print(json.dumps(out, indent=2) if a.json else out)
+            return 0
+        if a.profile:
+            sizes = [int(b) for b in a.batch_sizes.split(",")]
+            setting = paper_setting(a, cfg, given)
+            out = profile_rows(a.profile, setting, sizes, d.sd_window or PAPER_SD_WINDOW, lookahead)
+            print(json.dumps(out, indent=2) if a.json else format_profile_table(out, a.markdown))
             return 0
         if a.preset:
             rows = paper_rows(

@@ -243,6 +243,7 @@ class PaperSetting:
     profiles: Mapping[str, LatencyProfile] | None = None
     blocking_reads: bool = False
     draft_survival: float = 0.0
+    batch_size: int = 1  # sequences decoded at once, every stage's forwards batched
 
 
 def paper_ms(method: str, models: Sequence[str], window: int, policy: str = "static",
@@ -257,7 +258,7 @@ def paper_ms(method: str, models: Sequence[str], window: int, policy: str = "sta
     look = 0 if method == "ar" else window
     cfg = _paper_cfg(method, look, n_trace or setting.n_tokens, setting.max_run_ahead, setting.max_verify,
                      setting.latency_s, policy, setting.draft_survival)  # fmt: skip
-    cfg = replace(cfg, blocking_reads=setting.blocking_reads)
+    cfg = replace(cfg, blocking_reads=setting.blocking_reads, batch_size=setting.batch_size)
     return mean_ms_per_token([profiles[m] for m in models], acc, cfg, setting.seeds)
 
 

@@ -35,13 +35,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def count_accepted(proposal: torch.Tensor, target: torch.Tensor) -> int:
-    """Length of the longest prefix where proposal [n] equals target [n+1][:n]."""
-    n = proposal.shape[0]
-    if n == 0:
-        return 0
-    mismatch = (proposal != target[:n]).nonzero()
-    return int(mismatch[0, 0]) if mismatch.numel() else n
+def accept(proposal: torch.Tensor, count: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The verdicts of B verifications at once, on the device (no host sync): proposal [B, K]
+    (padded), count [B] (how many are real), target [B, K+1] (each verifier's own choices)
+    -> [B, 2]: the accepted prefix length and the recovered or bonus token."""
+    k = proposal.shape[1]
+    real = torch.arange(k, device=proposal.device)[None, :] < count[:, None]
+    accepted = ((proposal == target[:, :k]) & real).long().cumprod(dim=1).sum(dim=1)
+    return torch.stack((accepted, target.gather(1, accepted[:, None])[:, 0]), dim=1)
 
 
 def verify_against(proposal: list[int], target: torch.Tensor) -> Verdict:
@@ -54,8 +55,9 @@ def verify_against(proposal: list[int], target: torch.Tensor) -> Verdict:
     n = len(proposal)
     if target.shape[0] != n + 1:
         raise ValueError(f"need n+1={n + 1} target tokens for {n} proposed, got {target.shape[0]}")
-    m = count_accepted(torch.as_tensor(proposal, dtype=target.dtype), target)
-    return Verdict(n_proposed=n, n_accepted=m, next_token=int(target[m]))
+    prop = torch.as_tensor(proposal, dtype=target.dtype).to(target.device)[None, :]
+    m, nxt = accept(prop, torch.full((1,), n, device=target.device), target[None, :])[0].tolist()
+    return Verdict(n_proposed=n, n_accepted=m, next_token=nxt)  # the one host transfer
 
 
 def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:

@@ -13,28 +13,9 @@ import json
 import os
 
 import pytest
-from conftest import launch_ok
+from conftest import assert_all_equal_ar, launch_ok
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
-
-
-def outputs(recs: list[dict]) -> dict[tuple[str, int], dict[tuple, list[int]]]:
-    """(method, batch size) -> (prompt, sample) -> output ids, warm-ups left out."""
-    out: dict[tuple[str, int], dict[tuple, list[int]]] = {}
-    for r in recs:
-        if not r["warmup"]:
-            out.setdefault((r["method"], r["batch_size"]), {})[(r["prompt_id"], r["sample_idx"])] = r[
-                "output_ids"
-            ]
-    return out
-
-
-def assert_all_equal_ar(recs: list[dict], groups: set[tuple[str, int]]) -> None:
-    by = outputs(recs)
-    assert set(by) == groups
-    ref = by[min(g for g in groups if g[0] == "ar")]
-    for g, outs in by.items():
-        assert outs == ref, f"{g} differs from AR"
 
 
 @pytest.mark.parametrize("hier", ["tiny", "tiny_suffix"])

@@ -5,22 +5,13 @@ ranks on two threads each way) at batch 1 and 4, and SmolLM2 behind the suffix d
 from __future__ import annotations
 
 import pytest
-from conftest import launch_ok, outputs_by_method
+from conftest import assert_all_equal_ar, launch_ok, outputs
 from dispatch_levels import levels
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 FLOAT32 = [f"hierarchy.stages.{i}.dtype=float32" for i in range(3)]
 METHODS = ("ar", "sd", "pipespec")
-
-
-def _same_outputs(recs: list[dict]) -> None:
-    keyed: dict[tuple, dict[str, list[int]]] = {}
-    for r in recs:
-        keyed.setdefault((r["prompt_id"], r["warmup"], r["batch_size"]), {})[r["method"]] = r["output_ids"]
-    assert keyed and all(set(by) == set(METHODS) for by in keyed.values())
-    for key, by in keyed.items():
-        assert by["sd"] == by["ar"] and by["pipespec"] == by["ar"], key
 
 
 @pytest.mark.parametrize("level", list(levels()))
@@ -32,7 +23,7 @@ def test_tiny_float32_equal_ar_under_dispatch_level(tmp_path, level):
         tmp_path,
         env=levels()[level],
     )  # fmt: skip
-    _same_outputs(recs)
+    assert_all_equal_ar(recs, {(m, b) for m in METHODS for b in (1, 4)})
 
 
 @pytest.mark.parametrize(
@@ -48,8 +39,8 @@ def test_smollm2_suffix_equal_ar_under_dispatch_level(tmp_path, level):
         timeout=600,
         env=levels()[level],
     )  # fmt: skip
-    _same_outputs(recs)
-    assert len(outputs_by_method(recs)["ar"]) == 2
+    assert_all_equal_ar(recs, {(m, 1) for m in METHODS})
+    assert len(outputs(recs)[("ar", 1)]) == 2
 
 
 def test_a_dispatch_the_cpu_cannot_honour_stops_the_job(tmp_path):

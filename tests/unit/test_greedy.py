@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pipespec_mpi.speculative.greedy import count_accepted, greedy_verify
+from pipespec_mpi.speculative.greedy import accept, greedy_verify
 
 
 def logits_for(ids: list[int], vocab: int = 10) -> torch.Tensor:
@@ -35,7 +35,17 @@ def test_empty_proposal_is_an_own_step():
 
 
 def test_later_match_after_mismatch_does_not_count():
-    assert count_accepted(torch.tensor([1, 9, 3]), torch.tensor([1, 2, 3, 4])) == 1
+    got = accept(torch.tensor([[1, 9, 3]]), torch.tensor([3]), torch.tensor([[1, 2, 3, 4]]))
+    assert got.tolist() == [[1, 2]]
+
+
+def test_many_verdicts_at_once_padding_never_counts():
+    """B verifications in one call: padded proposal entries are not accepted even where they
+    happen to equal the target (row 2: a real count of 1)."""
+    proposal = torch.tensor([[1, 2, 3], [5, 6, 0], [7, 8, 9], [0, 0, 0]])
+    count = torch.tensor([3, 2, 1, 0])
+    target = torch.tensor([[1, 2, 3, 4], [5, 1, 0, 0], [7, 8, 9, 9], [3, 0, 0, 0]])
+    assert accept(proposal, count, target).tolist() == [[3, 4], [1, 1], [1, 8], [0, 3]]
 
 
 def test_ties_resolve_to_lowest_id():

@@ -1,0 +1,187 @@
+"""Forward costs of the portable engine on this machine's device, for the simulator.
+
+    python -m pipespec_mpi.simulate.profile --out profile.json [--models 135M,1B,8B] [--compile]
+
+For each model shape (random weights: a forward's cost does not depend on their values) it times
+the engine's forwards at a fixed context: a verification of k = 1..16 rows of one sequence, and a
+step of B = 1..64 sequences of one row each, eager and (``--compile``) under ``torch.compile``.
+The JSON it writes is what ``pipespec-simulate --profile FILE`` reads (``profiles_from``) to
+predict AR, SD and PipeSpec for the paper's hierarchy on this device. bench/gpu_check.sh runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pipespec_mpi.simulate.inputs import LatencyProfile
+
+# Llama configs of the paper's models (and SmolLM2-135M's shapes, small enough for a CPU)
+SHAPES: dict[str, dict] = {
+    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256),
+}  # fmt: skip
+VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def params(shape: str) -> int:
+    """Weights of a shape (what a memory-bound step reads)."""
+    s = SHAPES[shape]
+    h, i, n, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    d = h // s["num_attention_heads"]
+    attn = h * d * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
+    return n * (attn + 3 * h * i) + v * h * (1 if s.get("tie_word_embeddings") else 2)
+
+
+def random_engine(shape: str, device: str, dtype: str, slots: int, capacity: int):
+    """An engine of ``shape`` with random weights on ``device``, its slots prefilled to ``capacity // 2``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipespec_mpi.models.engine import Weights
+    from pipespec_mpi.models.portable import Engine
+
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], rope_theta=500000.0)).to(getattr(torch, dtype))
+    engine = Engine(Weights.of(model.eval()))
+    del model
+    for _ in range(slots):
+        engine.begin(engine.new_slot(), capacity)
+    return engine
+
+
+def _median_s(fn: Callable[[], object], sync: Callable[[], None], repeats: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(shape: str, device: str, dtype: str, context: int, repeats: int, compiled: bool,
+            batches: Sequence[int] = BATCHES) -> dict:  # fmt: skip
+    """Seconds of the engine's forwards of ``shape``: verify_s[k] (one sequence, k rows),
+    batch_s[B] (B sequences of one row), each at ``context`` positions of context."""
+    import torch
+
+    from pipespec_mpi.models import engine as eng
+
+    top = max(batches)
+    engine = random_engine(shape, device, dtype, top, context + 32)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    out: dict = {"params": params(shape), "context": context, "verify_s": {}, "batch_s": {}}
+    forward = eng.forward
+    modes = [("eager", forward)]
+    if compiled:
+        modes.append(("compiled", torch.compile(forward)))
+    for mode, fn in modes:
+        eng.forward = fn
+        try:
+
+            def run(reqs):
+                for req in reqs:
+                    engine.lengths[req[0]] = context
+                engine.run(reqs)
+
+            verify = {k: _median_s(lambda k=k: run([(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
+            batch = {
+                b: _median_s(lambda b=b: run([(s, [1], 1) for s in range(b)]), sync, repeats) for b in batches
+            }
+        finally:
+            eng.forward = forward
+        key = "" if mode == "eager" else "compiled_"
+        out[key + "verify_s"] = {str(k): v for k, v in verify.items()}
+        out[key + "batch_s"] = {str(b): v for b, v in batch.items()}
+    return out
+
+
+def profiles_from(
+    doc: dict, names: Sequence[str] = ("1B", "8B", "70B")
+) -> tuple[dict[str, LatencyProfile], dict]:
+    """The simulator's profile of each of ``names`` from a profile document: its measured
+    verification costs, and its extra cost per batched sequence (the slope of batch_s); a shape
+    the document lacks is scaled from the measured shape nearest in size by weight bytes (a
+    memory-bound step). Returns the profiles and, per name, where it came from."""
+    key = "compiled_verify_s" if all("compiled_verify_s" in m for m in doc["models"].values()) else "verify_s"
+    measured = doc["models"]
+    out, source = {}, {}
+    for name in names:
+        if name in measured:
+            base, scale = name, 1.0
+        else:
+            base = min(measured, key=lambda m: abs(measured[m]["params"] - params(name)))
+            scale = params(name) / measured[base]["params"]
+        m = measured[base]
+        points = tuple((int(k), s * scale) for k, s in m[key].items())
+        batch = {int(b): s for b, s in m[key.replace("verify", "batch")].items()}
+        per_seq = _slope(batch) * scale
+        out[name] = LatencyProfile(name, points, overhead_s=0.001, per_sequence_s=max(0.0, per_seq))
+        source[name] = "measured" if scale == 1.0 else f"scaled from {base} x {scale:.2f} (weight bytes)"
+    return out, source
+
+
+def _slope(costs: dict[int, float]) -> float:
+    """Least-squares slope of seconds by batch size."""
+    xs, ys = list(costs), list(costs.values())
+    if len(xs) < 2:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(
+        prog="python -m pipespec_mpi.simulate.profile", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--out", required=True, help="the profile JSON to write")
+    ap.add_argument("--models", default="135M", help=f"shapes to time, of {', '.join(SHAPES)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-batch", type=int, default=max(BATCHES))
+    ap.add_argument("--compile", action="store_true", help="also time the forward under torch.compile")
+    a = ap.parse_args(argv)
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    names = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in SHAPES]
+    if unknown:
+        ap.error(f"unknown model shapes {unknown}: choose from {', '.join(SHAPES)}")
+    device_name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else _cpu_name()
+    date = time.strftime("%Y-%m-%d")
+    doc = {"device": device_name, "torch": torch.__version__, "dtype": dtype, "date": date, "models": {}}
+    batches = [b for b in BATCHES if b <= a.max_batch]
+    for name in names:
+        doc["models"][name] = measure(name, a.device, dtype, a.context, a.repeats, a.compile, batches)
+        print(f"{name}: one row {1000 * doc['models'][name]['verify_s']['1']:.2f} ms", flush=True)
+    Path(a.out).write_text(json.dumps(doc, indent=2))
+    print(f"profile written to {a.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    from pipespec_mpi.models.dispatch import cpu_model
+
+    return cpu_model()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

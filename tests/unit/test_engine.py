@@ -1,0 +1,179 @@
+"""The portable engine (models/engine.py, models/portable.py): transformers' Llama numbers through
+prefill, steps, verifications, rollbacks and batched slots; device-clean on torch's ``meta``
+device (a tensor made off the engine's device, or a host sync, raises there); and its decode and
+verify steps compile whole (``fullgraph=True``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipespec_mpi.config import TinyBaseConfig
+from pipespec_mpi.models import engine as engine_module
+from pipespec_mpi.models.base import KVScorer
+from pipespec_mpi.models.engine import KVCache, Weights, forward, rope_table, unsupported_reason
+from pipespec_mpi.models.portable import Engine, PortableScorer, score_many
+from pipespec_mpi.models.tiny import build_tiny
+from pipespec_mpi.speculative.greedy import accept
+
+PROMPT = [(5 * i + 1) % 250 for i in range(30)]
+# (proposal, how many of it to keep): steps, verifications of every kind, rollbacks between
+ROUNDS = [([1, 2, 3], 1), ([], 0), (list(range(40, 56)), 9), ([4, 5, 6, 7, 8], 3), ([9], 0), ([], 0)]
+
+
+def tiny(dtype: torch.dtype, base: TinyBaseConfig | None = None) -> LlamaForCausalLM:
+    return build_tiny(base or TinyBaseConfig(), None, 0.0, 0, dtype).eval()
+
+
+def run_rounds(scorer) -> list[torch.Tensor]:
+    """The logits a scorer gives through a prefill and ROUNDS (each verdict committed as a
+    verifier would, the rest rolled back)."""
+    scorer.prefill(PROMPT, room=48)
+    seq, out = list(PROMPT), []
+    for proposal, kept in ROUNDS:
+        logits = scorer.logits(seq, proposal)
+        out.append(logits)
+        seq = seq + proposal[:kept] + [int(logits[kept].argmax())]
+        scorer.truncate(len(seq) - 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "base", [TinyBaseConfig(), TinyBaseConfig(num_heads=4, num_kv_heads=4, num_layers=2)]
+)
+def test_engine_equals_transformers_in_float64(base):
+    """Bitwise, in float64 (where batched and one-token forwards round alike)."""
+    ref = run_rounds(KVScorer("ref", tiny(torch.float64, base), torch.device("cpu"), lean=False))
+    got = run_rounds(PortableScorer("engine", Engine(Weights.of(tiny(torch.float64, base)))))
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(a, b), (i, (a - b).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_close_to_transformers_in_lower_precision(dtype):
+    ref = run_rounds(KVScorer("ref", tiny(dtype), torch.device("cpu"), lean=False))
+    got = run_rounds(PortableScorer("engine", Engine(Weights.of(tiny(dtype)))))
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(a.float(), b, atol=tol, rtol=tol)
+
+
+def test_slots_in_one_forward_equal_each_alone():
+    """Slots of different lengths, verifying different counts in one padded forward, give each
+    slot's rows as its own forward does (float64: bitwise); a slot not asked for is untouched."""
+    engine = Engine(Weights.of(tiny(torch.float64)))
+    slots = [PortableScorer("s", engine) for _ in range(4)]
+    seqs = [PROMPT[: 8 + 6 * i] for i in range(4)]
+    proposals = [[], [3, 4], [5, 6, 7, 8], list(range(10, 26))]
+    for sc, seq in zip(slots, seqs, strict=True):
+        sc.prefill(seq, room=24)
+    alone = []
+    for sc, seq, prop in zip(slots, seqs, proposals, strict=True):
+        alone.append(sc.logits(seq, prop))
+        sc.truncate(len(seq) - 1)
+    asked = [0, 1, 3]  # slot 2 sits this forward out
+    got = score_many([(slots[i], seqs[i], proposals[i]) for i in asked])
+    for i, rows in zip(asked, got, strict=True):
+        assert torch.equal(rows, alone[i]), i
+    want = [len(s) + len(p) if i in asked else len(s) - 1 for i, (s, p) in enumerate(zip(seqs, proposals))]
+    assert [sc._len for sc in slots] == want  # the cache holds seq + proposal, as KVScorer's
+
+
+def test_unsupported_models_are_named():
+    model = tiny(torch.float32)
+    assert unsupported_reason(model) is None
+    model.config.mlp_bias = True
+    assert "bias" in unsupported_reason(model)
+
+
+# ---- device-clean: every step on torch's meta device ----------------------------------------
+
+
+def meta_engine(slots: int = 3) -> Engine:
+    """An engine whose weights, cache and tables live on ``meta`` (a Llama-3-shaped config:
+    grouped heads, llama3 rope scaling)."""
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    eng = Engine(Weights.of(model))
+    assert eng.w.device.type == "meta" and eng.cache.k.device.type == "meta"
+    for _ in range(slots):
+        eng.new_slot()
+    return eng
+
+
+def test_every_step_runs_on_meta():
+    """Prefill, one-token steps of every slot, a B-slot verification, a rollback and the verdicts:
+    each runs with every tensor on ``meta``, so none is made off the device and none is read on
+    the host (both raise there)."""
+    eng = meta_engine()
+    for s in range(3):
+        eng.begin(s, 64)
+        (logits,) = eng.run([(s, list(range(20 + s)), 1)])  # prefill
+        assert logits.shape == (1, 512) and logits.device.type == "meta"
+    steps = eng.run([(s, [7], 1) for s in range(3)])  # decode: every slot, one row
+    verify = eng.run([(0, [1, 2, 3], 3), (2, [4, 5, 6, 7, 8], 5)])  # B-slot verification, padded
+    assert [t.shape for t in steps] == [(1, 512)] * 3 and [t.shape for t in verify] == [(3, 512), (5, 512)]
+    eng.lengths[2] -= 3  # a rollback: the host's length, nothing on the device
+    proposal = torch.tensor([[2, 3, 0, 0], [5, 6, 7, 8]], device="meta")
+    target = torch.stack([torch.cat([verify[0], verify[0][:2]]), verify[1]]).argmax(-1)
+    verdict = accept(proposal, torch.tensor([2, 4], device="meta"), target)
+    assert verdict.shape == (2, 2) and verdict.device.type == "meta"
+
+
+def test_meta_catches_a_hidden_cpu_tensor(monkeypatch):
+    """The test can fail: a tensor created without the engine's device raises on ``meta``."""
+    real = engine_module._rotate
+
+    def leaky(x, cos, sin):
+        return real(x, cos, sin) + torch.zeros(x.shape[-1])  # on the CPU
+
+    monkeypatch.setattr(engine_module, "_rotate", leaky)
+    eng = meta_engine(1)
+    eng.begin(0, 16)
+    with pytest.raises(RuntimeError, match="device"):
+        eng.run([(0, [1, 2, 3], 3)])
+
+
+def test_meta_catches_a_host_sync():
+    """The test can fail: reading a tensor on the host (``.item()``, ``.tolist()``, ``bool``)
+    raises on ``meta``, where on CUDA it would stall the stream."""
+    eng = meta_engine(1)
+    eng.begin(0, 16)
+    (logits,) = eng.run([(0, [1, 2], 2)])
+    for read in (lambda t: t.argmax().item(), lambda t: t.argmax(-1).tolist(), lambda t: bool((t > 0).any())):
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            read(logits)
+
+
+# ---- compiled whole: no graph break in the decode and verify steps ----------------------------
+
+
+@pytest.mark.slow
+def test_decode_and_verify_steps_compile_fullgraph():
+    torch._dynamo.reset()
+    w = Weights.of(tiny(torch.float32))
+    cache = KVCache.empty(w.arch, 3, 64, w.device, w.dtype)
+    cos, sin = rope_table(w, 64)
+    step = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    verdicts = torch.compile(accept, fullgraph=True, backend="aot_eager")
+    start = torch.tensor([10, 20, 30])
+    decode = step(
+        w, cache, slice(0, 3), torch.tensor([[1], [2], [3]]), start, torch.ones(3, dtype=torch.long), cos, sin
+    )
+    assert decode.shape == (3, 1, w.arch.vocab)
+    tokens = torch.tensor([[1, 5, 6, 7], [2, 8, 0, 0], [3, 9, 9, 0]])
+    count = torch.tensor([4, 2, 3])
+    rows = step(w, cache, slice(0, 3), tokens, start, count, cos, sin)
+    eager = forward(
+        w, KVCache.empty(w.arch, 3, 64, w.device, w.dtype), slice(0, 3), tokens, start, count, cos, sin
+    )
+    assert rows.shape == (3, 4, w.arch.vocab)
+    assert torch.allclose(rows[0], eager[0], atol=1e-5)  # slot 0's cache saw the same writes since start
+    got = verdicts(tokens[:, 1:], count - 1, rows.argmax(-1))
+    assert got.shape == (3, 2)
