@@ -31,8 +31,10 @@ from pipespec_mpi.comm.bootstrap import (
     shutdown_torch_distributed,
     world_info,
 )
+from pipespec_mpi.comm.window import check_one_sided
 from pipespec_mpi.config import load_config, register
 from pipespec_mpi.models.dispatch import check as check_dispatch
+from pipespec_mpi.platforms import check as check_platform
 from pipespec_mpi.topology import check_world
 
 WORLD = None  # this process's world, set by current_world(); read by the task function
@@ -58,7 +60,10 @@ def app(cfg: DictConfig) -> None:
     world = current_world()
     try:
         typed = load_config(cfg)
-        check_dispatch(typed.hierarchy)  # before any model loads: the CPU code paths asked for
+        # before any model loads: the CPU code paths asked for, the device, the MPI's windows
+        check_dispatch(typed.hierarchy)
+        check_platform(typed, world.hosts, world.rank)
+        check_one_sided(typed.run.epochs_window)
         if not typed.hierarchy.choose:  # a plan's stages are checked once it is chosen
             check_world(world.size, typed.hierarchy.n_stages)
         run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from pipespec_mpi.errors import UserError
 from pipespec_mpi.stage.ports import Header
 
 HEADER = 10
@@ -46,6 +47,31 @@ PROMPT, EPOCH, LENGTH, DONE, WANT, IDLE, DOWN_EPOCH, DOWN_LENGTH = range(8)
 FIELDS = DOWN_LENGTH + 1  # the words a publish writes (Header's fields, in this order)
 BEAT = 8  # heartbeat: the owner's CLOCK_MONOTONIC in ms, refreshed by every loop and wait
 SEQ = 9  # sequence lock of the shared window
+
+
+class OneSidedUnavailable(UserError):
+    """This MPI cannot make the epochs windows (the job stops before any model loads)."""
+
+
+def check_one_sided(kind: str) -> None:
+    """Raise ``OneSidedUnavailable`` where this MPI lacks the one-sided windows ``run.epochs_window``
+    needs: MPI-3 RMA (``MPI_Win_allocate``; shared memory: ``MPI_Win_allocate_shared``), tried on
+    this rank alone."""
+    from mpi4py import MPI
+
+    need = ["Allocate_shared", "Allocate"] if kind in ("auto", "shared") else ["Allocate"]
+    for name in need:
+        try:
+            win = getattr(MPI.Win, name)(8, 8, comm=MPI.COMM_SELF)
+            win.Free()
+        except (AttributeError, NotImplementedError, MPI.Exception) as err:
+            lib = MPI.Get_library_version().splitlines()[0].strip()
+            raise OneSidedUnavailable(
+                f"run.epochs_window={kind} needs MPI-3 one-sided windows (MPI_Win_{name.lower()}), which "
+                f"this MPI cannot make ({lib}: {type(err).__name__}: {err}): load an MPI-3 library "
+                "(module load openmpi/4 or newer, MPICH 3 or newer) and rebuild mpi4py against it "
+                "(bash scripts/setup.sh --site-mpi), or use the MPICH wheel (bash scripts/setup.sh)"
+            ) from err
 
 
 def now_ms() -> int:

@@ -24,12 +24,13 @@ from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
 from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.platforms import Platform, current_platform, local_stages
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
-from pipespec_mpi.topology import CpuShare, Placement, binds, device_for, share_cpus
+from pipespec_mpi.topology import CpuShare, Placement, binds, share_cpus
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -45,12 +46,13 @@ class PerfClock:
         return time.perf_counter()
 
 
-def resolve_transport(kind: str) -> str:
-    import torch
-
+def resolve_transport(kind: str, platform: Platform, stage_gpus: list[int], stages_here: list[int]) -> str:
+    """``transport.kind``; auto: NCCL where this node's ranks each have GPUs of their own, else MPI
+    (NCCL refuses two ranks on one GPU)."""
     if kind != "auto":
         return kind
-    return "nccl" if torch.cuda.is_available() else "mpi"
+    own = platform.kind == "cuda" and sum(stage_gpus[s] for s in stages_here) <= platform.count
+    return "nccl" if own else "mpi"
 
 
 class CpuPlacement:
@@ -154,13 +156,12 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
     cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind)
-    transport = resolve_transport(cfg.transport.kind)
-    cuda_devices = device_for(
-        [s.n_gpus for s in cfg.hierarchy.stages], pl.stage, world.local_rank, torch.cuda.device_count()
-    )
+    platform = current_platform()
+    stage_gpus = [s.n_gpus for s in cfg.hierarchy.stages]
+    here = local_stages(world.hosts, world.rank, cfg.hierarchy.n_stages)
+    transport = resolve_transport(cfg.transport.kind, platform, stage_gpus, here)
+    cuda_devices = platform.gpus(stage_gpus, pl.stage, world.local_rank)
     if transport in ("gloo", "nccl"):
-        if transport == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("transport.kind=nccl needs CUDA; use transport.kind=mpi or gloo on CPUs")
         with watchdog.phase(f"rendezvous ({transport})"):
             init_torch_distributed(world, transport, cfg.transport.iface, cfg.transport.port)
 

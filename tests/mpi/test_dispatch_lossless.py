@@ -5,6 +5,7 @@ ranks on two threads each way) at batch 1 and 4, and SmolLM2 behind the suffix d
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import assert_all_equal_ar, launch_ok, outputs
 from dispatch_levels import levels
 
@@ -50,3 +51,12 @@ def test_a_dispatch_the_cpu_cannot_honour_stops_the_job(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "PIPESPEC_KERNEL_ISA=sse2 is not one of avx512, avx2" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a node with CUDA")
+def test_nccl_on_a_node_without_cuda_stops_the_job(tmp_path):
+    from conftest import launch
+
+    proc = launch(3, ["hierarchy=tiny", "transport.kind=nccl"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "transport.kind=nccl needs CUDA" in proc.stderr and "Traceback" not in proc.stderr

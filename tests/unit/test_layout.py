@@ -20,7 +20,7 @@ LAYERS = [
     {"config"},
     {"speculative"},
     {"stage"},
-    {"comm", "models", "records"},
+    {"comm", "models", "platforms", "records"},
     {"analysis"},
     {"run"},
     {"simulate"},
