@@ -19,8 +19,10 @@ from pipespec_mpi.models.engine import KVCache, Weights, forward, rope_table
 class Engine:
     """One model's weights, the KV cache of its slots, and each slot's length."""
 
-    def __init__(self, weights: Weights, max_context: int | None = None) -> None:
+    def __init__(self, weights: Weights, max_context: int | None = None, compiled: bool = False) -> None:
         self.w = weights
+        # the forward, or the forward under torch.compile (whole: it has no graph break)
+        self.step = torch.compile(forward, dynamic=True) if compiled else forward
         self.max_context = max_context
         self.cache = KVCache.empty(weights.arch, 0, 1, weights.device, weights.dtype)
         self.cos, self.sin = rope_table(weights, 1)
@@ -60,7 +62,7 @@ class Engine:
             host[s - first, width + 1] = len(toks)
         dev = host.to(self.w.device)  # the one host-to-device copy
         last_only = len(requests) == 1 and requests[0][2] == 1  # a prefill: one row's logits
-        logits = forward(
+        logits = self.step(
             self.w, self.cache, slice(first, last + 1), dev[:, :width], dev[:, width], dev[:, width + 1],
             self.cos, self.sin, last_only=last_only,
         )  # fmt: skip

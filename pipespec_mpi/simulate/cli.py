@@ -93,7 +93,7 @@ def profile_rows(path: str, setting: PaperSetting, batch_sizes: Sequence[int], s
     rows = []
     for b in batch_sizes:
         for r in paper_rows(replace(setting, profiles=profiles, batch_size=b), sd_window, lookahead):
-            rows.append({**r, "batch_size": b})
+            rows.append({**r, "batch_size": b, "tokens_per_s": 1000.0 * b / r["ms_per_token"]})
     return {
         "device": doc["device"],
         "dtype": doc["dtype"],
@@ -104,10 +104,10 @@ def profile_rows(path: str, setting: PaperSetting, batch_sizes: Sequence[int], s
 
 
 def format_profile_table(out: dict, md: bool = False) -> str:
-    cols = [Column("batch", True), Column("method"), Column("models"), Column("ms/token", True),
-            Column("x AR", True)]  # fmt: skip
+    cols = [Column("batch", True), Column("method"), Column("models"), Column("ms/token/sequence", True),
+            Column("tokens/s", True), Column("x AR", True)]  # fmt: skip
     cells = [[str(r["batch_size"]), r["method"], " -> ".join(r["models"]), f"{r['ms_per_token']:.2f}",
-              f"{r['speedup']:.2f}x"] for r in out["rows"]]  # fmt: skip
+              f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x"] for r in out["rows"]]  # fmt: skip
     head = f"{out['device']} ({out['dtype']}, {out['date']}); paper acceptance; " + "; ".join(
         f"{m}: {s}" for m, s in out["models"].items()
     )

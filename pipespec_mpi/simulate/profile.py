@@ -85,25 +85,21 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
     engine = random_engine(shape, device, dtype, top, context + 32)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     out: dict = {"params": params(shape), "context": context, "verify_s": {}, "batch_s": {}}
-    forward = eng.forward
-    modes = [("eager", forward)]
+    modes = [("eager", eng.forward)]
     if compiled:
-        modes.append(("compiled", torch.compile(forward)))
+        modes.append(("compiled", torch.compile(eng.forward, dynamic=True)))
     for mode, fn in modes:
-        eng.forward = fn
-        try:
+        engine.step = fn
 
-            def run(reqs):
-                for req in reqs:
-                    engine.lengths[req[0]] = context
-                engine.run(reqs)
+        def run(reqs):
+            for req in reqs:
+                engine.lengths[req[0]] = context
+            engine.run(reqs)
 
-            verify = {k: _median_s(lambda k=k: run([(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
-            batch = {
-                b: _median_s(lambda b=b: run([(s, [1], 1) for s in range(b)]), sync, repeats) for b in batches
-            }
-        finally:
-            eng.forward = forward
+        verify = {k: _median_s(lambda k=k: run([(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
+        batch = {
+            b: _median_s(lambda b=b: run([(s, [1], 1) for s in range(b)]), sync, repeats) for b in batches
+        }
         key = "" if mode == "eager" else "compiled_"
         out[key + "verify_s"] = {str(k): v for k, v in verify.items()}
         out[key + "batch_s"] = {str(b): v for b, v in batch.items()}
