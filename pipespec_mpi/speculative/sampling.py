@@ -78,8 +78,8 @@ class Sampler:
         logp = processed_logprobs(logits, r.temperature, r.top_k, r.top_p)
         noise = torch.stack(
             [gumbel(self.key, first_position + i, logits.shape[-1]) for i in range(logits.shape[0])]
-        )
-        return torch.argmax(logp + noise, dim=-1)
+        )  # made on the host: every stage draws the same noise, whatever its device
+        return torch.argmax(logp + noise.to(logp.device), dim=-1)
 
 
 def mix(*values: int) -> int:

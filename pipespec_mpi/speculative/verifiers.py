@@ -109,12 +109,12 @@ class Leviathan:
         self.gen = torch.Generator().manual_seed(mix(sampler.key, stage))
 
     def draw(self, logits: torch.Tensor, position: int) -> Drawn:
-        p = self.sampler.probs(logits[-1:])[0]  # [V]
+        p = self.sampler.probs(logits[-1:])[0].cpu()  # [V]: what travels with the token (one copy)
         return Drawn(draw(p, self.gen), p.float().numpy())
 
     def verify(self, proposal, dists, logits, position) -> Checked:
         n = len(proposal)
-        p = self.sampler.probs(logits)  # [n+1, V]
+        p = self.sampler.probs(logits).cpu()  # [n+1, V]: the rows that travel on (one copy)
         if n and dists is None:
             raise ValueError("leviathan verification needs the distribution of every proposed token")
         q = torch.from_numpy(np.stack(dists[:n])).double()[:, : p.shape[1]] if n else p[:0]  # [n, V]
@@ -146,7 +146,7 @@ class AcceptAll:
         nxt = self.inner.draw(logits[n : n + 1], position + n)
         rows = None
         if self.carries_dists:
-            p = self.inner.sampler.probs(logits[:n])
+            p = self.inner.sampler.probs(logits[:n]).cpu()
             rows = [*(p[j].float().numpy() for j in range(n)), nxt.dist]
         return Checked(Verdict(n, n, nxt.token), rows)
 
