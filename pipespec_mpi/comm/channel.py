@@ -1,9 +1,10 @@
 """Proposal channels: non-blocking point-to-point messages in preallocated fixed-size buffers.
 
-A message is int64[4 + max_msg_tokens]: (prompt, epoch, start, count, tokens...). ``prompt`` is
-the prompt sequence number (stale messages from a finished prompt are recognisable), ``epoch``
-the receiver's rollback epoch the sender had seen, ``start`` the position of the first token.
-A count of -1 closes the channel. With sampling, float32 rows [max_msg_tokens, V] follow.
+A message is int64[5 + max_msg_tokens]: (prompt, epoch, start, count, slot, tokens...) (comm/wire.py).
+``prompt`` is the prompt sequence number (stale messages from a finished prompt are
+recognisable), ``epoch`` the receiver's rollback epoch the sender had seen, ``start`` the position
+of the first token, ``slot`` the receiver's sequence where one link carries several (comm/mux.py).
+A count of -1 closes the channel, -2 opens it. With sampling, float32 rows [max_msg_tokens, V] follow.
 
 A link has a sending and a receiving class per transport. What they share lives in the base
 classes: the message encoding, the sender's ring of send buffers (a buffer is reused only once
@@ -14,6 +15,7 @@ only says how to allocate a buffer, start a send or receive, and test it:
         once it is waited on, so a helper thread waits (blocking, not spinning) and queues them
   nccl  torch.distributed on device tensors, staged through a host buffer; polled with
         ``is_completed``
+  strict  gloo under NCCL's rules (comm/strict.py): what would break on NCCL is an error here
 
 The receiver keeps ``depth`` receives posted ahead and takes them in posting order (MPI, gloo and
 NCCL all keep point-to-point order per sender), so a stage never blocks on its upstream.
@@ -30,11 +32,13 @@ import numpy as np
 
 from pipespec_mpi.comm.wire import (
     CLOSE,
+    HELLO,
     META,
     TAG,
     buffer_words,
     decode,
     encode,
+    is_hello,
     used_words,
 )
 from pipespec_mpi.stage.ports import Proposal
@@ -114,11 +118,14 @@ class Sender:
         """Whether a send request has completed (called until it has, never after)."""
         raise NotImplementedError
 
-    def try_send(self, prompt: int, epoch: int, start: int, tokens: list[int], dists=None) -> int:
+    def try_send(
+        self, prompt: int, epoch: int, start: int, tokens: list[int], dists=None, slot: int = 0
+    ) -> int:
         """Post tokens for positions start.. in as many messages as their width needs, as far as
         free buffers allow; returns how many tokens were posted (never blocks).
 
-        With sampling, ``dists`` [len(tokens), V] carries the distribution of each token."""
+        With sampling, ``dists`` [len(tokens), V] carries the distribution of each token; ``slot``:
+        the receiver's sequence they are for (comm/mux.py)."""
         posted = 0
         for off in range(0, len(tokens), self.width):
             i = self.ring.try_acquire()
@@ -126,17 +133,24 @@ class Sender:
                 break
             chunk = tokens[off : off + self.width]
             rows = None if dists is None else dists[off : off + self.width]
-            encode(self._host(i), prompt, epoch, start + off, chunk, rows, self.width, self.dist_width)
+            encode(self._host(i), prompt, epoch, start + off, chunk, rows, self.width, self.dist_width, slot)
             self.ring.reqs[i], words = self._start(i, used_words(len(chunk), self.width, self.dist_width))
             self.bytes_sent += 8 * words
             posted += len(chunk)
         return posted
 
+    def hello(self, wait) -> None:
+        """Open the link with a message the peer's first receive takes (and drops): a pair's
+        first operation then happens while both ranks connect, as NCCL needs (comm/mux.py)."""
+        i = self.ring.acquire(wait)
+        self._host(i)[:META] = (0, 0, 0, HELLO, 0)
+        self.ring.reqs[i], _ = self._start(i, META)
+
     def close(self, wait) -> None:
         """Match every receive the peer keeps posted with a close message, then drain."""
         for _ in range(self.depth):
             i = self.ring.acquire(wait)
-            self._host(i)[:META] = (0, 0, 0, CLOSE)
+            self._host(i)[:META] = (0, 0, 0, CLOSE, 0)
             self.ring.reqs[i], _ = self._start(i, META)
         wait(self.ring.drained, "close messages to be delivered")
 
@@ -316,11 +330,13 @@ class _PolledReceiver(Receiver):
             if not self._done(req):
                 break
             self.posted.popleft()
-            msg = self._decode(self._host(i))  # copies out of the buffer before it is reposted
-            if msg is None:
+            host = self._host(i)
+            msg = None if is_hello(host) else self._decode(host)  # copies out before the repost
+            if msg is None and not is_hello(host):
                 self.closed += 1
                 continue
-            out.append(msg)
+            if msg is not None:
+                out.append(msg)
             self.posted.append((i, self._post(i)))
         return out
 
@@ -408,6 +424,9 @@ class GlooReceiver(Receiver):
             while works:
                 i, w = works.popleft()
                 w.wait()
+                if is_hello(self.bufs[i].numpy()):
+                    works.append((i, dist.irecv(self.bufs[i], src=self.peer, tag=self.tag)))
+                    continue
                 msg = self._decode(self.bufs[i].numpy())
                 self.queue.put(msg)
                 if msg is not None:
@@ -437,11 +456,64 @@ class GlooReceiver(Receiver):
         self.thread.join(timeout=5)
 
 
+class StrictSender(Sender):
+    """CPU tensors over ``comm``, a ``strict.StrictP2P`` (NCCL's rules over gloo): a message is
+    encoded in place, and a buffer whose send has not completed is never sent again."""
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64)
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.ring.bufs[i].numpy()  # shares the tensor's memory
+
+    def _start(self, i: int, words: int) -> tuple[object, int]:
+        from pipespec_mpi.comm.strict import StrictError
+
+        if self.ring.reqs[i] is not None:
+            raise StrictError(f"send buffer {i} to rank {self.peer} sent again before its send completed")
+        buf = self.ring.bufs[i]
+        return self.comm.isend(buf, self.peer, self.tag), buf.numel()
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+
+class StrictReceiver(_PolledReceiver):
+    """Receives over ``comm``, a ``strict.StrictP2P``, polled as NCCL's are; a message read before
+    its receive is seen complete is an error."""
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64)
+
+    def _post(self, i: int):
+        return self.comm.irecv(self.bufs[i], self.peer, self.tag)
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+    def _host(self, i: int) -> np.ndarray:
+        from pipespec_mpi.comm.strict import check_read
+
+        check_read(self.bufs[i], self.peer, self.comm.rank)
+        return self.bufs[i].numpy()
+
+
 # ---------------------------------------------------------------------------------------------
 # one class per transport, by name
 
-SENDERS: dict[str, type[Sender]] = {"mpi": MpiSender, "gloo": GlooSender, "nccl": NcclSender}
-RECEIVERS: dict[str, type[Receiver]] = {"mpi": MpiReceiver, "gloo": GlooReceiver, "nccl": NcclReceiver}
+SENDERS: dict[str, type[Sender]] = {
+    "mpi": MpiSender,
+    "gloo": GlooSender,
+    "nccl": NcclSender,
+    "strict": StrictSender,
+}
+RECEIVERS: dict[str, type[Receiver]] = {
+    "mpi": MpiReceiver, "gloo": GlooReceiver, "nccl": NcclReceiver, "strict": StrictReceiver,
+}  # fmt: skip
 
 
 def _transport_class(table: dict, transport: str) -> type:

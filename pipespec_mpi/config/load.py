@@ -243,9 +243,6 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(
             f"run.batch_sizes={list(r.batch_sizes)}: a sweep of run.mode=benchmark; use decode.batch_size"
         )
-    if max([cfg.decode.batch_size, *r.batch_sizes]) > 1 and t.kind == "nccl":
-        p.append("decode.batch_size / run.batch_sizes > 1 with transport.kind=nccl: the slots' links are "
-                 "told apart by tags, which NCCL ignores; use transport.kind=mpi or gloo")  # fmt: skip
 
     a = cfg.auto
     if not _int(a.replicas) or a.replicas < 1:

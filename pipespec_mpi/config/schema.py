@@ -14,7 +14,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # what ``python -m pipe
 METHODS = ("ar", "sd", "pipespec")
 POLICIES = ("static", "adaptive")
 MODES = ("single", "benchmark")
-TRANSPORTS = ("auto", "mpi", "gloo", "nccl")
+TRANSPORTS = ("auto", "mpi", "gloo", "nccl", "strict")
 STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup", "suffix")
 DRAFTER_KINDS = ("prompt_lookup", "suffix")  # model-free: no weights, only stage 0
 WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/lowbit.py FORMATS
@@ -209,7 +209,8 @@ class SamplingConfig:
 
 @dataclass
 class TransportConfig:
-    """How proposals travel: mpi | gloo | nccl | auto (nccl on CUDA, else mpi)."""
+    """How proposals travel: mpi | gloo | nccl | strict | auto (nccl where the node's ranks have
+    GPUs of their own, else mpi). strict: gloo holding the protocol to NCCL's rules (comm/strict.py)."""
 
     kind: str = "auto"
     depth: int = 8  # receives posted ahead, and send buffers

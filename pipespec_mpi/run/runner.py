@@ -91,7 +91,9 @@ class Runner:
             raise loaded.row_error
         n_slots = max(batch_sizes(cfg))
         with watchdog.phase("channels and windows"):
-            slot_links = [setup.connect(cfg, self.world, pl, loaded, slot=s) for s in range(n_slots)]
+            slot_links = [setup.connect(cfg, self.world, pl, loaded, slots=n_slots)]
+            for s in range(1, n_slots):
+                slot_links.append(setup.connect(cfg, self.world, pl, loaded, s, slot_links[0], n_slots))
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
         patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()

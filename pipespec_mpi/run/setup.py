@@ -19,6 +19,8 @@ from typing import Any
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
 from pipespec_mpi.comm.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
+from pipespec_mpi.comm.mux import MUXED, Demux, SlotReceiver, SlotSender
+from pipespec_mpi.comm.strict import StrictP2P
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
@@ -130,6 +132,7 @@ class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
     transport: str
+    p2p: Any  # transport.kind=strict: its communicator (comm/strict.py StrictP2P); else None
     cpus: CpuPlacement
     cuda_devices: list[int]
     tokenizer: Any
@@ -161,9 +164,13 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     here = local_stages(world.hosts, world.rank, cfg.hierarchy.n_stages)
     transport = resolve_transport(cfg.transport.kind, platform, stage_gpus, here)
     cuda_devices = platform.gpus(stage_gpus, pl.stage, world.local_rank)
-    if transport in ("gloo", "nccl"):
+    p2p = None  # strict: the transport's communicator (comm/strict.py)
+    if transport in ("gloo", "nccl", "strict"):
         with watchdog.phase(f"rendezvous ({transport})"):
-            init_torch_distributed(world, transport, cfg.transport.iface, cfg.transport.port)
+            backend = "gloo" if transport == "strict" else transport
+            init_torch_distributed(world, backend, cfg.transport.iface, cfg.transport.port)
+        if transport == "strict":
+            p2p = StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s)
 
     with watchdog.phase("tokenizer"):
         tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
@@ -186,6 +193,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         found = rows.scan(cfg, comm, tokenizer, context)
         loaded = Loaded(
             transport=transport,
+            p2p=p2p,
             cpus=cpus,
             cuda_devices=cuda_devices,
             tokenizer=tokenizer,
@@ -268,13 +276,15 @@ class Links:
         self.node_comm.Free()
 
 
-def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: int = 0) -> Links:
+def connect(
+    cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: int = 0, first: Links | None = None,
+    slots: int = 1,
+) -> Links:  # fmt: skip
     """Proposal channels (with the distributions when Leviathan sampling), the epochs window
-    (``open_window``), communicators: those of one slot (batched decoding: each slot has its
-    own, its links tagged apart; collective, so every rank connects its slots in order)."""
-    if slot and loaded.transport == "nccl":
-        raise ConfigError(["batched decoding over nccl: NCCL ignores the tags that tell the slots' links "
-                           "apart; use transport.kind=mpi or gloo, or decode.batch_size=1"])  # fmt: skip
+    (``open_window``), communicators: those of one slot of ``slots`` (batched decoding: each has
+    its own; collective, so every rank connects its slots in order). The slots' links: tagged
+    apart on mpi and gloo; on nccl and strict, ports on slot 0's (``first``) one link per pair
+    (comm/mux.py)."""
     MPI = mpi()
     comm = world.comm
     device = None
@@ -287,9 +297,35 @@ def connect(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: i
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     dist_width = loaded.vocab if leviathan else 0
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
-    chan = dict(depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot))
-    sender = open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
-    receiver = open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
+    sender: Any
+    receiver: Any
+    if loaded.transport not in MUXED:
+        chan = dict(
+            depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot)
+        )
+        sender = (
+            open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
+        )
+        receiver = (
+            open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
+        )
+    elif first is None:
+        link_comm = loaded.p2p if loaded.transport == "strict" else comm
+        chan = dict(depth=t.depth * slots, max_msg_tokens=width, device=device, dist_width=dist_width)
+        sender = receiver = None
+        if (
+            pl.downstream is not None
+        ):  # opened first: the pairs' first operations chain up from the last stage
+            link = open_sender(loaded.transport, link_comm, pl.downstream, **chan)
+            link.hello(lambda c, w: wait_until(c, cfg.run.stall_timeout_s, w))
+            sender = SlotSender(link, slot)
+        if pl.upstream is not None:
+            receiver = SlotReceiver(
+                Demux(open_receiver(loaded.transport, link_comm, pl.upstream, **chan)), slot
+            )
+    else:
+        sender = None if first.sender is None else SlotSender(first.sender.link, slot)
+        receiver = None if first.receiver is None else SlotReceiver(first.receiver.demux, slot)
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     window = open_window(cfg.run.epochs_window, comm, node_comm, world, pl, max_tokens)

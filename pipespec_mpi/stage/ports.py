@@ -28,6 +28,7 @@ class Proposal:
     start: int
     tokens: list[int]
     dists: np.ndarray | None = None  # [count, V] float32: the distribution each token was drawn from
+    slot: int = 0  # the receiving rank's sequence (slot) it is for: batched decoding over one link
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Proposal channels between two real ranks, over mpi and gloo: chunked runs arrive whole and in
-order (with their distributions when sampling) while the receiver polls late, and both ends close.
+"""Proposal channels between two real ranks, over mpi, gloo and strict (NCCL's rules): chunked
+runs arrive whole and in order (with their distributions when sampling) while the receiver polls
+late, and both ends close.
 
 The test launches this file under mpirun; as a script it is one rank of that run:
     mpirun -n 2 python tests/mpi/test_channel_ranks.py mpi|gloo
@@ -83,8 +84,12 @@ def rank_main(transport: str) -> None:
 
     world = world_info()
     comm = MPI.COMM_WORLD
-    if transport == "gloo":
+    if transport in ("gloo", "strict"):
         init_torch_distributed(world, "gloo", None)
+    if transport == "strict":  # NCCL's rules over gloo: the link's communicator
+        from pipespec_mpi.comm.strict import StrictP2P
+
+        comm = StrictP2P(world.rank)
 
     def wait(cond, what):
         wait_until(cond, 30, what)
@@ -92,14 +97,14 @@ def rank_main(transport: str) -> None:
     for dist_width in (0, VOCAB):
         side = send_side if world.rank == 0 else receive_side
         side(transport, comm, dist_width, wait)
-        comm.Barrier()
-    if transport == "gloo":
+        MPI.COMM_WORLD.Barrier()
+    if transport in ("gloo", "strict"):
         shutdown_torch_distributed()
     if world.rank == 1:
         print(f"channel ok over {transport}", flush=True)
 
 
-@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+@pytest.mark.parametrize("transport", ["mpi", "gloo", "strict"])
 def test_channel_between_two_ranks(transport):
     from conftest import run_ranks
 

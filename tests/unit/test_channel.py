@@ -14,6 +14,7 @@ import torch.distributed
 
 from pipespec_mpi.comm.channel import (
     CLOSE,
+    HELLO,
     META,
     GlooReceiver,
     GlooSender,
@@ -28,6 +29,7 @@ from pipespec_mpi.comm.channel import (
     buffer_words,
     decode,
     encode,
+    is_hello,
     open_receiver,
     open_sender,
     used_words,
@@ -74,8 +76,16 @@ def test_decoded_proposal_does_not_alias_the_buffer():
 
 def test_close_message_decodes_to_none():
     buf = np.zeros(buffer_words(4, 0), dtype=np.int64)
-    buf[:META] = (0, 0, 0, CLOSE)
+    buf[:META] = (0, 0, 0, CLOSE, 0)
     assert decode(buf) is None
+
+
+def test_the_slot_travels_and_a_hello_is_no_proposal():
+    buf = np.zeros(buffer_words(4, 0), dtype=np.int64)
+    encode(buf, 3, 1, 10, [7, 8], slot=5)
+    assert decode(buf) == Proposal(3, 1, 10, [7, 8], None, 5) and not is_hello(buf)
+    buf[:META] = (0, 0, 0, HELLO, 0)
+    assert is_hello(buf)
 
 
 # --- the send-buffer ring --------------------------------------------------------------------
