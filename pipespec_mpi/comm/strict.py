@@ -24,8 +24,10 @@ import queue
 import threading
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+from pipespec_mpi.comm.channel import Sender, _PolledReceiver
 from pipespec_mpi.comm.wire import TAG
 
 POISON = -0x5354524943540000  # what a receive buffer holds until its receive is seen complete
@@ -171,3 +173,45 @@ def check_read(buf, peer: int, rank: int) -> None:
             f"rank {rank}: a message from rank {peer} was read before its receive completed: NCCL "
             "writes the buffer while the receive runs"
         )
+
+
+class StrictSender(Sender):
+    """CPU tensors over ``comm``, a ``strict.StrictP2P`` (NCCL's rules over gloo): a message is
+    encoded in place, and a buffer whose send has not completed is never sent again."""
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64)
+
+    def _host(self, i: int) -> np.ndarray:
+        return self.ring.bufs[i].numpy()  # shares the tensor's memory
+
+    def _start(self, i: int, words: int) -> tuple[object, int]:
+        if self.ring.reqs[i] is not None:
+            raise StrictError(f"send buffer {i} to rank {self.peer} sent again before its send completed")
+        buf = self.ring.bufs[i]
+        return self.comm.isend(buf, self.peer, self.tag), buf.numel()
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+
+class StrictReceiver(_PolledReceiver):
+    """Receives over ``comm``, a ``strict.StrictP2P``, polled as NCCL's are; a message read before
+    its receive is seen complete is an error."""
+
+    def _new_buffer(self, words: int):
+        import torch
+
+        return torch.zeros(words, dtype=torch.int64)
+
+    def _post(self, i: int):
+        return self.comm.irecv(self.bufs[i], self.peer, self.tag)
+
+    def _done(self, req) -> bool:
+        return req.is_completed()
+
+    def _host(self, i: int) -> np.ndarray:
+        check_read(self.bufs[i], self.peer, self.comm.rank)
+        return self.bufs[i].numpy()

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
-from pipespec_mpi.comm.channel import Receiver, Sender, open_receiver, open_sender
+from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
+from pipespec_mpi.comm.links import open_receiver, open_sender
 from pipespec_mpi.comm.mux import MUXED, Demux, SlotReceiver, SlotSender
 from pipespec_mpi.comm.strict import StrictP2P
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow

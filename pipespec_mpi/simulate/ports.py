@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
+from pipespec_mpi.comm.wire import META
 from pipespec_mpi.stage.ports import Header, Proposal
 
 
@@ -123,7 +124,7 @@ class TimedSender:
             t = max(t, down.inflight[-1][0])  # a channel keeps its order
         down.inflight.append((t, Proposal(prompt, epoch, start, list(tokens), dists)))
         eng.wake(self.me + 1, t)
-        self.bytes_sent += 8 * (4 + len(tokens))
+        self.bytes_sent += 8 * (META + len(tokens))
         return len(tokens)
 
 

@@ -30,7 +30,7 @@ def rows(k: int, n: int):
 
 
 def send_side(transport: str, comm, dist_width: int, wait) -> None:
-    from pipespec_mpi.comm.channel import open_sender
+    from pipespec_mpi.comm.links import open_sender
     from pipespec_mpi.stage.wait import Backoff
 
     snd = open_sender(transport, comm, 1, DEPTH, WIDTH, None, dist_width)
@@ -51,7 +51,7 @@ def send_side(transport: str, comm, dist_width: int, wait) -> None:
 def receive_side(transport: str, comm, dist_width: int, wait) -> None:
     import numpy as np
 
-    from pipespec_mpi.comm.channel import open_receiver
+    from pipespec_mpi.comm.links import open_receiver
 
     rcv = open_receiver(transport, comm, 0, DEPTH, WIDTH, None, dist_width)
     time.sleep(0.3)  # polls late: the sender gets ahead of the posted receives

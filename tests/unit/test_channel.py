@@ -30,10 +30,9 @@ from pipespec_mpi.comm.channel import (
     decode,
     encode,
     is_hello,
-    open_receiver,
-    open_sender,
     used_words,
 )
+from pipespec_mpi.comm.links import open_receiver, open_sender
 from pipespec_mpi.stage.wait import wait_until
 
 

@@ -8,6 +8,7 @@ import random
 from collections import deque
 from typing import Protocol
 
+from pipespec_mpi.comm.wire import META
 from pipespec_mpi.simulate.explore.scenarios import ExJob, Scenario
 from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost, RowLine
 from pipespec_mpi.stage.loop import StageRole
@@ -26,6 +27,7 @@ class World(Protocol):
     versions: list[list[tuple[Header, tuple[int, ...]]]]
     seen: dict[tuple[int, int], int]
     links: list[Link]
+    inbox: dict[int, deque[Proposal]]  # one_link: each receiving node's messages taken off the link
     gate_arrived: list[int]
     gate_complete: set[int]
     stop_votes: set[int]
@@ -156,33 +158,53 @@ class Link:
         self.held_until = 0  # bursts: nothing becomes deliverable before this tick
 
 
+def link_of(sc: Scenario, node: int) -> int:
+    """The link node ``node`` (slot * k + stage) sends on: its own to node + 1, or with
+    ``one_link`` its stage's, which every slot shares (comm/mux.py)."""
+    return node % sc.k if sc.one_link else node
+
+
 class ExSender:
     def __init__(self, world: World, me: int) -> None:
         self.world, self.me = world, me
         self.bytes_sent = 0
 
     def try_send(self, prompt, epoch, start, tokens, dists=None) -> int:
-        link, sc = self.world.links[self.me], self.world.sc
+        sc = self.world.sc
+        link = self.world.links[link_of(sc, self.me)]
+        buffers = sc.depth * sc.slots if sc.one_link else sc.depth
         posted = 0
         for off in range(0, len(tokens), sc.msg_tokens):
-            if len(link.queue) >= sc.depth:
+            if len(link.queue) >= buffers:
                 break  # no free send buffer: the loop sends the rest on a later step
             chunk = list(tokens[off : off + sc.msg_tokens])
             rows = None if dists is None else dists[off : off + sc.msg_tokens]
-            link.queue.append(Proposal(prompt, epoch, start + off, chunk, rows))
-            self.bytes_sent += 8 * (4 + len(chunk))
+            link.queue.append(Proposal(prompt, epoch, start + off, chunk, rows, self.me // sc.k))
+            self.bytes_sent += 8 * (META + len(chunk))
             posted += len(chunk)
         return posted
 
 
 class ExReceiver:
+    """A slot's receiving end: what its link delivered; on a shared link, the messages for its
+    slot, the others' kept in theirs (delivered in order, whichever slot polls)."""
+
     def __init__(self, world: World, me: int) -> None:
         self.world, self.me = world, me
 
     def poll(self) -> list[Proposal]:
-        link = self.world.links[self.me - 1]
-        out = [link.queue.popleft() for _ in range(link.deliverable)]
+        sc = self.world.sc
+        link = self.world.links[link_of(sc, self.me - 1)]
+        arrived = [link.queue.popleft() for _ in range(link.deliverable)]
         link.deliverable = 0
+        if not sc.one_link:
+            return arrived
+        inbox = self.world.inbox
+        for msg in arrived:
+            inbox.setdefault(msg.slot * sc.k + self.me % sc.k, deque()).append(msg)
+        mine = inbox.get(self.me, deque())
+        out = list(mine)
+        mine.clear()
         return out
 
 

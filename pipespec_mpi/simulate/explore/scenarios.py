@@ -24,8 +24,12 @@ RULES = ("greedy", "gumbel", "leviathan")
 # on drifting clocks (DriftClock) or drawn anew at every decision (ChaosEstimates), so that waits,
 # cut verifications and held drafters follow the seed; slots, the suffix drafter, budgets and the
 # policy's own settings drawn apart
-FAMILIES = tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES) + tuple(
-    f"pipespec-{r}-adaptive" for r in RULES
+# "-nccl": as "-batch", over links as NCCL and the strict transport carry them (comm/mux.py):
+# one FIFO link per stage pair for every slot, the slot in each message, its send buffers shared
+FAMILIES = (
+    tuple(f"{m}-{r}{b}" for b in ("", "-batch", "-suffix") for m in METHODS for r in RULES)
+    + tuple(f"pipespec-{r}-adaptive" for r in RULES)
+    + tuple(f"{m}-{r}-nccl" for m in METHODS for r in RULES)
 )
 EOS = 0
 IDLE_TICKS = 40  # waiting steps in a row before the scheduler checks for a stall
@@ -72,6 +76,8 @@ class Scenario:
     # "-adaptive" families: the adaptive policy reads estimates that are anything at every decision
     # (ChaosEstimates), so that every order of the decisions it can take is explored
     chaos: bool = False
+    # "-nccl" families: the slots share one link per stage pair (comm/mux.py), depth x slots buffers
+    one_link: bool = False
 
     def budget(self, seq: int) -> int:
         """Prompt ``seq``'s token budget (1-based, as the jobs are numbered)."""
@@ -136,10 +142,11 @@ class Scenario:
             gate_delay=rng.choice((0, 3, 30)),
             handoff_delay=rng.choice((0, 3, 30)),
         )
-        if family.endswith("-batch"):
+        if family.endswith(("-batch", "-nccl")):
             b = random.Random(f"slots:{family}:{seed}")
             slots = b.randint(2, 4)
             sc = replace(sc, slots=slots, n_prompts=b.randint(slots, 2 * slots + 1))
+            sc = replace(sc, one_link=family.endswith("-nccl"))
         # drawn apart from the rest, so that every other field of a seed is what it was before
         stop = random.Random(f"stop:{family}:{seed}")
         if stop.random() < 0.25:
@@ -167,7 +174,7 @@ class Scenario:
             sv = random.Random(f"survival:{family}:{seed}")
             if sv.random() < 0.5:
                 sc = replace(sc, drafter_survival=sv.choice((0.05, 0.1, 0.3, 0.6)))
-        if family.endswith(("-batch", "-suffix", "-adaptive")):
+        if family.endswith(("-batch", "-suffix", "-adaptive", "-nccl")):
             bu = random.Random(f"budgets:{family}:{seed}")
             if bu.random() < 0.5:
                 top = sc.decode.max_new_tokens

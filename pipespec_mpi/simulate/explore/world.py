@@ -35,7 +35,7 @@ from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
-from pipespec_mpi.stage.ports import Header, Proposer, Scorer
+from pipespec_mpi.stage.ports import Header, Proposal, Proposer, Scorer
 from pipespec_mpi.stage.process import StageProcess
 from pipespec_mpi.stage.stats import StageOutcome
 
@@ -94,8 +94,10 @@ class World:
             [(Header(-1, 0, 0, False, 0, False), ())] for _ in range(b * k)
         ]
         self.seen: dict[tuple[int, int], int] = {}
-        # node n's link to n + 1 (a slot's last stage has none: its entry stays empty)
-        self.links = [Link() for _ in range(b * k - 1)]
+        # node n's link to n + 1 (a slot's last stage has none: its entry stays empty); one_link:
+        # stage i's link to i + 1, every slot's (ports.py link_of)
+        self.links = [Link() for _ in range(k - 1 if sc.one_link else b * k - 1)]
+        self.inbox: dict[int, deque[Proposal]] = {}
         self.gate_arrived = [0] * (b * k)
         self.gate_complete: set[int] = set()
         self.stop_votes: set[int] = set()
