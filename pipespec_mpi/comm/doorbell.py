@@ -10,7 +10,7 @@ Every rank binds a datagram socket in Linux's abstract namespace (no file; gone 
 process), named by a token rank 0 draws for the job and the rank. A stage's publish (what both
 neighbours read) and its posted proposals (what the downstream reads) ring the neighbours: one
 non-blocking one-byte ``sendto``, dropped when the bell's queue is full (it rings anyway). A
-waiting driver (stage/process.py ``drive``) sleeps in ``select`` on its bell, drains it and
+waiting driver (run/drive.py ``drive``) sleeps in ``select`` on its bell, drains it and
 steps: a ring that comes during the step wakes the next wait at once, so none is lost.
 
 A bell *covers* a rank (``bell_covers``) when every neighbour reached it at setup (a hello
@@ -69,7 +69,7 @@ class Doorbell:
         """Rings inside the block reach each rank once, as it ends. A batched stage's slots
         publish one after another, each ringing its neighbours: a waiting neighbour woke for each
         and stepped all of its slots again. A two-stage job's suffix drafter over 16 slots woke
-        224 times to rings (and 931 times without one: ``stage/process.py quiet_limit``) in a
+        224 times to rings (and 931 times without one: ``run/drive.py quiet_limit``) in a
         phase of about 80 target forwards, its 0.07-0.09 of a core taken from the target's
         two-thread forwards (news, 2-core Xeon with AMX, 2026-12-05). The block is a loop over
         the slots' bookkeeping (a millisecond or two), never a forward: a ring comes at most that

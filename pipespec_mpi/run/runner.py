@@ -36,6 +36,7 @@ from pipespec_mpi.run.collect import (
     progress_bar,
 )
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
+from pipespec_mpi.run.drive import drive
 from pipespec_mpi.run.faults import maybe_fail
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.gpu_monitor import GpuMonitor
@@ -55,7 +56,7 @@ from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop
-from pipespec_mpi.stage.process import StageProcess, drive
+from pipespec_mpi.stage.process import StageProcess
 from pipespec_mpi.stage.wait import StallError, wait_until
 from pipespec_mpi.topology import place
 

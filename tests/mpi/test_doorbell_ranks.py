@@ -74,10 +74,10 @@ def rank_main() -> None:
         comm.Barrier()
     # a deal over the replica: ranks 0 and 1 wait while rank 2 (the last stage) has not claimed
     from pipespec_mpi.run.collect import VoteDeal
+    from pipespec_mpi.run.drive import drive
     from pipespec_mpi.run.setup import patient_at_collectives
     from pipespec_mpi.stage.deal import JobQueue
     from pipespec_mpi.stage.loop import Step
-    from pipespec_mpi.stage.process import drive
 
     peers = pl.peers
     assert peers == [r for r in range(3) if r != world.rank], peers

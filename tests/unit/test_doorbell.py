@@ -19,9 +19,9 @@ from pipespec_mpi.comm.doorbell import (
     RingingWindow,
     bell_covers,
 )
+from pipespec_mpi.run.drive import QUIET_MAX_S, QUIET_S, drive, quiet_limit
 from pipespec_mpi.stage.loop import Step
 from pipespec_mpi.stage.ports import Header
-from pipespec_mpi.stage.process import QUIET_MAX_S, QUIET_S, drive, quiet_limit
 
 
 @pytest.fixture

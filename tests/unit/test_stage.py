@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from pipespec_mpi.config import DecodeConfig, SamplingConfig
+from pipespec_mpi.run.drive import drive
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.speculative.sampling import Sampler
 from pipespec_mpi.speculative.verifiers import AcceptAll, Greedy, Gumbel, Leviathan, make_verifier
 from pipespec_mpi.stage.loop import Forward, Mailbox, StageLoop, StageRole, Step
 from pipespec_mpi.stage.ports import Header, Proposal
-from pipespec_mpi.stage.process import drive
 from pipespec_mpi.stage.wait import StallError
 
 
@@ -53,7 +53,7 @@ class Script:
 
 def test_drive_keeps_going_while_something_moves(monkeypatch):
     clock = iter(range(0, 10_000, 10))  # every monotonic() call: 10 s later
-    monkeypatch.setattr("pipespec_mpi.stage.process.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("pipespec_mpi.run.drive.time.monotonic", lambda: next(clock))
     monkeypatch.setattr("pipespec_mpi.stage.wait.time.sleep", lambda s: None)
     # progress without a forward (tokens adopted, proposals taken) resets the stall timer
     drive(Script([Step.WAITING, Step.PROGRESS] * 20), stall_timeout_s=25)

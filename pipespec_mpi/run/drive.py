@@ -1,0 +1,92 @@
+"""The driver of a stage on a rank: step it until DONE on a real clock, and wait without burning a
+core while it waits (a neighbour's ring on the doorbell, comm/doorbell.py, or backoff sleeps).
+
+The stage says what it waits for (``Steppable.rung``, ``patient``, ``recheck_at``: stage/process.py);
+how to wait for it is decided here, on the CPU host. The schedule explorer drives the same
+steppables its own way (simulate/explore/).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from pipespec_mpi.stage.loop import Step
+from pipespec_mpi.stage.process import Steppable
+from pipespec_mpi.stage.wait import Backoff, StallError
+
+
+class Bell(Protocol):
+    covers: bool  # every neighbour's change rings it by the time the change is visible
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until rung or ``timeout_s`` passed; take the rings."""
+
+
+# How long a waiting stage whose bell covers it sleeps at most without a ring: a safety net only
+# (a ring is never lost, comm/doorbell.py), short enough that a missed one costs a fraction of a
+# forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms). Also the
+# longest backoff sleep at a collective whose members ring: polled every millisecond, the
+# suffix drafter's 16 slots waiting at the deal through a batched AR phase (it has no part in AR
+# jobs) took 8.6% of a core from a target computing on both cores of a 2-core node.
+QUIET_S = 0.01
+# ... and where a waiting step costs more (a step over many slots), longer, up to QUIET_MAX_S, so
+# that the safety net's wake-ups take at most QUIET_SHARE of a core: a two-stage job's suffix
+# drafter over 16 slots woke 816 times in one batch-16 phase at the 10 ms limit, for 931 waits
+# without a ring and 224 with one, each wake a step of all 16 slots (news, 2-core Xeon with AMX,
+# 2026-12-05), inside the target's two-thread forwards.
+QUIET_MAX_S = 0.1
+QUIET_SHARE = 0.01
+
+
+def drive(
+    stepper: Steppable,
+    stall_timeout_s: float,
+    bell: Bell | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Step until DONE on a real clock: again at once after progress; while waiting, asleep until
+    a neighbour rings ``bell`` (or the stepper's own ``recheck_at``, or the quiet limit:
+    ``quiet_limit``) where the bell covers what it waits for; at a collective whose other stages
+    ring when they join (``patient``), backoff sleeps up to the quiet limit, started again by
+    every ring (a collective completes only as its members poll it, so a ring says: poll soon);
+    elsewhere backoff sleeps of 20 us doubling to 1 ms, cut short by a ring; never spinning.
+    ``StallError`` once nothing has moved for ``stall_timeout_s``. ``clock``: the stage clock
+    ``recheck_at`` is on, and its waiting steps' cost (``quiet_limit``)."""
+    backoff = Backoff()
+    last = time.monotonic()
+    cost = 0.0  # a waiting step's seconds (exponential average)
+    while True:
+        t0 = clock()
+        if (s := stepper.step()) is Step.DONE:
+            return
+        if s is not Step.WAITING:
+            backoff.reset()
+            last = time.monotonic()
+            continue
+        cost += 0.2 * (clock() - t0 - cost)
+        if time.monotonic() - last > stall_timeout_s:
+            raise StallError(f"{stepper.describe()}: no progress for {stall_timeout_s:.0f} s")
+        quiet = quiet_limit(cost)
+        if bell is None:
+            backoff.sleep()
+        elif bell.covers and stepper.rung():
+            bell.wait(_until_recheck(stepper, quiet, clock))
+        elif bell.covers and stepper.patient():
+            if bell.wait(_until_recheck(stepper, backoff.take(quiet), clock)):
+                backoff.reset()
+        else:
+            bell.wait(backoff.take())
+
+
+def quiet_limit(step_s: float) -> float:
+    """The longest sleep without a ring after waiting steps of ``step_s`` seconds each: QUIET_S,
+    or as long as keeps their wake-ups within QUIET_SHARE of a core, at most QUIET_MAX_S."""
+    return min(QUIET_MAX_S, max(QUIET_S, step_s / QUIET_SHARE))
+
+
+def _until_recheck(stepper: Steppable, timeout_s: float, clock: Callable[[], float]) -> float:
+    """``timeout_s``, cut to the stepper's ``recheck_at``."""
+    at = stepper.recheck_at
+    return timeout_s if at is None else min(timeout_s, max(0.0, at - clock()))
