@@ -5,7 +5,7 @@
 
 The SmolLM2-135M copy as the default hierarchy's middle stage loads it (lean forward, fused
 layers), once with ``dense_rows=0`` (kernel only) and once with ``dense_rows=3`` (every forward of
-3 rows or more through ``models/lowbit.py dense_linear``; the output layer, over 2 rows, stays on
+3 rows or more through ``models/cpu/lowbit.py dense_linear``; the output layer, over 2 rows, stays on
 the kernel). Each round times every (format, path, k) once in a
 shuffled order: a k-token forward after the same context (the context's prefill not timed), so a
 drifting machine hits all alike. Prints medians and the dense/kernel ratio: the rows where it
@@ -22,7 +22,7 @@ import time
 import torch
 
 from pipespec_mpi.config.load import compose_config
-from pipespec_mpi.models.flat_linear import cpu_flags
+from pipespec_mpi.models.cpu.flat_linear import cpu_flags
 from pipespec_mpi.models.loader import load_stage
 
 

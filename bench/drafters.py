@@ -3,7 +3,7 @@
     .venv/bin/python bench/drafters.py [--prompts 8] [--seed 7] [--tokens 64] [--threads 1]
 
 For each copy of the embedded target (torch's dynamic int8, the weight-only bf16 / int8 / q8 /
-q4 copies of models/lowbit.py and its w8a8 copy) and each dataset (HumanEval code, news prose):
+q4 copies of models/cpu/lowbit.py and its w8a8 copy) and each dataset (HumanEval code, news prose):
 
 * agreement: the target decodes each prompt greedily (``--tokens`` new tokens); the copy then
   reads prompt + continuation in one forward and its greedy choice at every continuation

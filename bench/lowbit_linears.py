@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from pipespec_mpi.models import lowbit
-from pipespec_mpi.models.flat_linear import cpu_isa
+from pipespec_mpi.models.cpu import lowbit
+from pipespec_mpi.models.cpu.flat_linear import cpu_isa
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (576, 576)]  # (K, N) per layer
 LAYERS = 30

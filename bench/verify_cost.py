@@ -3,8 +3,8 @@
     .venv/bin/python bench/verify_cost.py [--threads 1] [--context 200] [--rounds 9]
 
 Four variants of SmolLM2-135M float32: stock transformers (torch matmul, ``DynamicCache``,
-sdpa); the flat small-M kernel of models/flat_linear.py with the preallocated cache of
-models/kv_cache.py and grouped-query SDPA without KV copies (models/attention.py); that and the
+sdpa); the flat small-M kernel of models/cpu/flat_linear.py with the preallocated cache of
+models/kv_cache.py and grouped-query SDPA without KV copies (models/cpu/attention.py); that and the
 exact GGUF blocks read through the low-bit kernel (``lowbit.read_exact_blocks``, the loader's
 default ``exact_blocks``), both through transformers' forward; and what the target stage runs,
 that through the lean forward with every decoding row's attention alone (``exact_rows``: the
@@ -28,11 +28,11 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pipespec_mpi.models.attention import use_sdpa_gqa
-from pipespec_mpi.models.flat_linear import cpu_isa, use_flat_linear
+from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
+from pipespec_mpi.models.cpu.flat_linear import cpu_isa, use_flat_linear
+from pipespec_mpi.models.cpu.lean import build_lean
+from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
 from pipespec_mpi.models.kv_cache import preallocated_cache
-from pipespec_mpi.models.lean import build_lean
-from pipespec_mpi.models.lowbit import read_exact_blocks
 from pipespec_mpi.models.smollm2 import ensure_cache
 
 Forward = Callable[[torch.Tensor, object, int, bool], object]  # (ids, cache, keep, decoding)

@@ -33,7 +33,7 @@ from pipespec_mpi.comm.bootstrap import (
 )
 from pipespec_mpi.comm.window import check_one_sided
 from pipespec_mpi.config import load_config, register
-from pipespec_mpi.models.dispatch import check as check_dispatch
+from pipespec_mpi.host.dispatch import check as check_dispatch
 from pipespec_mpi.platforms import check as check_platform
 from pipespec_mpi.topology import check_world
 

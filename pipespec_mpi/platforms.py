@@ -3,8 +3,8 @@
 ``current_platform()`` is a ``CpuPlatform`` or a ``CudaPlatform``. Each says which devices a stage
 gets, which settings it cannot run (checked once, before any model loads: one message naming
 each setting and its fix, exit 2), how to wait for the device, and whether the CPU host's
-machinery applies to its ranks (threads and CPU binding, run/setup.py ``CpuPlacement``; a waiting
-rank sleeping on the doorbell, comm/doorbell.py). The stage loop and the decoding rules
+machinery applies to its ranks (threads and CPU binding, host/placement.py ``CpuPlacement``; a waiting
+rank sleeping on the doorbell, host/doorbell.py). The stage loop and the decoding rules
 (``stage/``, ``speculative/``) never ask: they compute on whatever tensors their scorer returns.
 """
 

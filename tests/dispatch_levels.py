@@ -3,7 +3,7 @@ MKL, oneDNN and kernels would compute with (tests/unit/test_dispatch_levels.py, 
 
 from __future__ import annotations
 
-from pipespec_mpi.models.dispatch import supported_isas
+from pipespec_mpi.host.dispatch import supported_isas
 
 AVX2 = {
     "ATEN_CPU_CAPABILITY": "avx2",

@@ -18,7 +18,7 @@ from pipespec_mpi.auto import fingerprint
 from pipespec_mpi.auto.measure import Agreement, CostCheck, StageCost, Workers, measure_costs, within
 from pipespec_mpi.auto.measured import Measured, agreement_rate, candidates, light_positions, stage_shares
 from pipespec_mpi.config import AppConfig, ConfigError, HierarchyConfig
-from pipespec_mpi.topology import CpuShare, binds
+from pipespec_mpi.host.placement import CpuShare, binds
 
 log = logging.getLogger("pipespec_mpi")
 

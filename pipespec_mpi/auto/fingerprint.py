@@ -25,7 +25,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
 
 def cpu_identity() -> dict[str, object]:
     """CPU model and the ISA extensions among ``ISA_FLAGS`` it has (from /proc/cpuinfo)."""
-    from pipespec_mpi.models.dispatch import cpu_flags, cpu_model
+    from pipespec_mpi.host.dispatch import cpu_flags, cpu_model
 
     flags = cpu_flags()
     return {"cpu": cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags]}
@@ -45,7 +45,7 @@ def machine(cores: int, ranks_on_node: int) -> dict[str, object]:
     changes changes the costs: the row attention kernel made the target's steps 5-10% cheaper)."""
     import torch
 
-    from pipespec_mpi.models.flat_linear import kernels_digest
+    from pipespec_mpi.models.cpu.flat_linear import kernels_digest
 
     return {
         **cpu_identity(),

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipespec_mpi.config import HierarchyConfig
-from pipespec_mpi.topology import CpuShare
+from pipespec_mpi.host.placement import CpuShare
 
 
 class MeasureError(RuntimeError):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pipespec_mpi.auto.measure import Agreement, Pipeline, StageCost
 from pipespec_mpi.config import DRAFTER_KINDS, StageConfig
-from pipespec_mpi.topology import CpuShare, share_cpus
+from pipespec_mpi.host.placement import CpuShare, share_cpus
 
 # Pipeline: stage indices of the candidate hierarchy, smallest first, target last
 
@@ -58,8 +58,8 @@ def stage_shares(
     light: frozenset[int] = frozenset(),
 ) -> tuple[CpuShare, ...]:
     """The threads of the first replica's stages when k-stage pipelines run (``light``: the
-    positions of model-free stages), and with ``bind`` (the phase binds: ``topology.binds``)
-    their CPUs, as the job gives them (``topology.share_cpus``: the job's ranks fill nodes of
+    positions of model-free stages), and with ``bind`` (the phase binds: ``host/placement.py binds``)
+    their CPUs, as the job gives them (``host/placement.py share_cpus``: the job's ranks fill nodes of
     ``ranks_on_node`` in rank order, every one seeing ``cpus``), or, when the launcher binds
     each rank to its own cores (``bound``), all of those."""
     if bound:

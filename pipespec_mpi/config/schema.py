@@ -17,7 +17,7 @@ MODES = ("single", "benchmark")
 TRANSPORTS = ("auto", "mpi", "gloo", "nccl", "strict")
 STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup", "suffix")
 DRAFTER_KINDS = ("prompt_lookup", "suffix")  # model-free: no weights, only stage 0
-WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/lowbit.py FORMATS
+WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/cpu/lowbit.py FORMATS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
 TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
@@ -65,7 +65,7 @@ class StageConfig:
       lowbit_copy   a weight-only copy of the stage ``copy_of`` on CPU: weights stored in
                     ``weights`` (bf16, int8 per channel, q8 or q4 blocks of 32), activations and
                     accumulation float32; or ``w8a8``: int8 activations per row as well, integer
-                    dot products (models/lowbit.py).
+                    dot products (models/cpu/lowbit.py).
       prompt_lookup model-free n-gram drafter (may only head a hierarchy).
       suffix        model-free suffix drafter over the prompt and sequence, the job's finished
                     outputs (``store_tokens``) and an optional ``corpus`` text file; drafts the
@@ -89,12 +89,12 @@ class StageConfig:
     weights: str = "int8"  # lowbit_copy: the stored format (WEIGHT_FORMATS); int8 by measurement
     dense_rows: int | None = None  # lowbit_copy: forwards of this many rows or more (prefills, wide
     # batches) run torch's GEMM instead of the kernel; None: by format where the CPU has AMX, else never;
-    # 0: never (models/lowbit.py dense_rows)
-    flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/flat_linear.py)
+    # 0: never (models/cpu/lowbit.py dense_rows)
+    flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/cpu/flat_linear.py)
     exact_blocks: bool = True  # flat_linear: a layer whose weights are exactly Q4_1/Q8_0 blocks (a
     # GGUF dequantised, as the embedded SmolLM2) reads the blocks: bitwise the same, fewer bytes
     exact_rows: bool | None = None  # lean forward: each row of a decoding forward attends as a
-    # forward of its token alone would, so greedy output is bitwise AR's (models/attention.py: the
+    # forward of its token alone would, so greedy output is bitwise AR's (models/cpu/attention.py: the
     # row kernel, else one SDPA call per row); None: on for the last stage (its tokens are the
     # output) and for drafters where the row kernel builds (there it is also the cheaper
     # attention); off where neither the row kernel nor the flat kernel (row-independent linears) runs
@@ -244,7 +244,7 @@ class RunConfig:
     # share_cpus): auto in batched phases (measured: faster there, slower at batch 1), always,
     # or none (the OS places the ranks)
     cpu_bind: str = "auto"
-    # a waiting stage sleeps until a neighbour on its node rings it (comm/doorbell.py), instead of
+    # a waiting stage sleeps until a neighbour on its node rings it (host/doorbell.py), instead of
     # polling every millisecond; false: poll (for comparison)
     doorbell: bool = True
     # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot

@@ -19,7 +19,7 @@ class KVScorer:
 
     The cache is preallocated for prompt + ``room`` positions (``models/kv_cache.py``): appending
     copies only the new tokens and rolling back moves an index. Llama-family models run the lean
-    forward of ``models/lean.py`` (bitwise the transformers forward, without its framework
+    forward of ``models/cpu/lean.py`` (bitwise the transformers forward, without its framework
     overhead) unless ``lean`` is False; build the scorer once the model's modules are final
     (linears swapped, attention implementation set).
     """
@@ -48,7 +48,7 @@ class KVScorer:
         self._rows = _kernel_rows(model)
         why = "transformers forward (lean=False)"
         if lean:
-            from pipespec_mpi.models.lean import build_lean
+            from pipespec_mpi.models.cpu.lean import build_lean
 
             self._lean, why = build_lean(self.model)
         log.info("%s: %s", name, why)
@@ -68,12 +68,12 @@ class KVScorer:
     def thread_invariant(self) -> bool:
         """Its logits are bitwise the same on any number of threads: the lean forward with the
         row kernel's attention for every row (prefill too) and every linear layer on the CPU
-        kernels (models/flat_linear.py, lowbit.py). Elsewhere (torch's GEMM and SDPA, a GPU)
+        kernels (models/cpu/flat_linear.py, lowbit.py). Elsewhere (torch's GEMM and SDPA, a GPU)
         they may differ in the last bit with the thread count (tests/unit/test_kernel_threads.py)."""
         if self._lean is None or self._lean.rows_kernel is None or not self.exact_rows:
             return False
-        from pipespec_mpi.models.flat_linear import FlatLinear
-        from pipespec_mpi.models.lowbit import LowBitLinear
+        from pipespec_mpi.models.cpu.flat_linear import FlatLinear
+        from pipespec_mpi.models.cpu.lowbit import LowBitLinear
 
         def on_kernels(m: torch.nn.Module) -> bool:
             if isinstance(m, FlatLinear):
@@ -159,7 +159,7 @@ class KVScorer:
 def _kernel_rows(model: torch.nn.Module) -> int | None:
     """The most rows a forward of ``model`` computes row-independently (the flat kernel's), or
     None where no layer runs the flat kernel (torch or GPU numerics: no split pays there)."""
-    from pipespec_mpi.models.flat_linear import MAX_ROWS, FlatLinear
+    from pipespec_mpi.models.cpu.flat_linear import MAX_ROWS, FlatLinear
 
     return MAX_ROWS if any(isinstance(m, FlatLinear) for m in model.modules()) else None
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig, StageConfig, TokenizerConfig
-from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.base import KVScorer
+from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
 from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
@@ -126,7 +126,7 @@ def _load_torch_model(
             raise ValueError(f"stage {stage.name!r}: {stage.kind} runs on CPU only")
         if stage.kind == "int8_copy":
             return _int8_dynamic(src)
-        from pipespec_mpi.models.lowbit import use_lowbit_linear
+        from pipespec_mpi.models.cpu.lowbit import use_lowbit_linear
 
         use_lowbit_linear(src.float(), stage.weights, dense=stage.dense_rows)
         return src
@@ -157,8 +157,8 @@ def load_stage(
     if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
         use_sdpa_gqa(model)
     if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
-        from pipespec_mpi.models.flat_linear import use_flat_linear
-        from pipespec_mpi.models.lowbit import read_exact_blocks
+        from pipespec_mpi.models.cpu.flat_linear import use_flat_linear
+        from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
 
         use_flat_linear(model)
         if stage.exact_blocks:

@@ -140,7 +140,7 @@ class PlanInputs:
     # (simulate/paper.py, paper_ms), not with i.i.d. rates
     paper: PaperSetting | None = None
     # the target's profile where it computes alone (AR), where a run measured it apart: AR takes
-    # the CPUs its idle stages leave (topology.CpuShare.solo), so its steps are not the pipeline's
+    # the CPUs its idle stages leave (host/placement.py CpuShare.solo), so its steps are not the pipeline's
     alone: sim.LatencyProfile | None = None
 
 

@@ -21,7 +21,7 @@ from pipespec_mpi.stage.stats import StageOutcome, StageStats
 from pipespec_mpi.topology import Placement
 
 if TYPE_CHECKING:
-    from pipespec_mpi.run.setup import CpuPlacement
+    from pipespec_mpi.host.placement import CpuPlacement
 
 STATS_TAG = 11
 log = logging.getLogger("pipespec_mpi")

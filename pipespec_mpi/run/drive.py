@@ -1,5 +1,5 @@
 """The driver of a stage on a rank: step it until DONE on a real clock, and wait without burning a
-core while it waits (a neighbour's ring on the doorbell, comm/doorbell.py, or backoff sleeps).
+core while it waits (a neighbour's ring on the doorbell, host/doorbell.py, or backoff sleeps).
 
 The stage says what it waits for (``Steppable.rung``, ``patient``, ``recheck_at``: stage/process.py);
 how to wait for it is decided here, on the CPU host. The schedule explorer drives the same
@@ -25,7 +25,7 @@ class Bell(Protocol):
 
 
 # How long a waiting stage whose bell covers it sleeps at most without a ring: a safety net only
-# (a ring is never lost, comm/doorbell.py), short enough that a missed one costs a fraction of a
+# (a ring is never lost, host/doorbell.py), short enough that a missed one costs a fraction of a
 # forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms). Also the
 # longest backoff sleep at a collective whose members ring: polled every millisecond, the
 # suffix drafter's 16 slots waiting at the deal through a batched AR phase (it has no part in AR

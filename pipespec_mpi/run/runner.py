@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 
 from pipespec_mpi.comm.bootstrap import World, mpi
-from pipespec_mpi.comm.doorbell import Doorbell, RingingDeal, RingingGate, RingingHandoff
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.host.doorbell import Doorbell, RingingDeal, RingingGate, RingingHandoff
 from pipespec_mpi.models.base import score_batch
 from pipespec_mpi.records import ERRORS, write_errors
 from pipespec_mpi.run import setup
@@ -74,7 +74,7 @@ class Runner:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
-        self.bell: Doorbell | None = None  # set up with the links (comm/doorbell.py)
+        self.bell: Doorbell | None = None  # set up with the links (host/doorbell.py)
 
     def run(self) -> int:
         """Decode this rank's jobs; the job's exit code (0, or run/drain.py's when it was asked to

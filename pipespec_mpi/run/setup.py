@@ -18,7 +18,6 @@ from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
-from pipespec_mpi.comm.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
 from pipespec_mpi.comm.links import open_receiver, open_sender
 from pipespec_mpi.comm.mux import MUXED, Demux, SlotReceiver, SlotSender
 from pipespec_mpi.comm.strict import StrictP2P
@@ -27,13 +26,15 @@ from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
 from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
+from pipespec_mpi.host.placement import CpuPlacement, share_cpus
 from pipespec_mpi.platforms import Platform, current_platform, local_stages
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop, StageRole
 from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
-from pipespec_mpi.topology import CpuShare, Placement, binds, share_cpus
+from pipespec_mpi.topology import Placement
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -58,69 +59,8 @@ def resolve_transport(kind: str, platform: Platform, stage_gpus: list[int], stag
     return "nccl" if own else "mpi"
 
 
-class CpuPlacement:
-    """This rank's torch threads and CPUs, job by job: ``share.cpus`` in the phases ``run.cpu_bind``
-    binds (``topology.binds``), else the CPUs it was launched with; a last stage computing alone
-    (AR) takes ``share.solo`` threads, unbound."""
-
-    def __init__(self, share: CpuShare, mode: str) -> None:
-        import torch
-
-        self.share, self.mode = share, mode
-        self.home = self.current = frozenset(os.sched_getaffinity(0))
-        self.threads = share.threads  # its torch threads now
-        torch.set_num_threads(self.threads)
-
-    @property
-    def cores(self) -> float | None:
-        return self.share.cores
-
-    @property
-    def where(self) -> str:
-        """Where it computes, for the log."""
-        bound_at = {b: binds(self.mode, b) for b in (1, 2)}
-        alone = "" if self.share.solo is None else f"; {self.share.solo} threads, unbound, in AR"
-        if self.share.cpus is None or not any(bound_at.values()):
-            return "its launched CPUs" + alone
-        cpus = "CPUs " + ",".join(map(str, self.share.cpus))
-        where = cpus if all(bound_at.values()) else f"{cpus} in batched phases (its launched CPUs at batch 1)"
-        return where + alone
-
-    @property
-    def bound(self) -> list[int] | None:
-        """The CPUs it is bound to now (None: those it was launched with)."""
-        return None if self.current == self.home else sorted(self.current)
-
-    def as_alone(self) -> None:
-        """Compute in every method as the last stage computes alone (AR): ``share.solo`` threads,
-        unbound. For a stage whose logits may change with the thread count (not on the CPU
-        kernels: models/base.py ``thread_invariant``), so that no method's output differs from
-        the reference's by its threads."""
-        import torch
-
-        self.share = CpuShare(self.share.solo, None, cores=self.share.cores)
-        self.threads = self.share.threads
-        torch.set_num_threads(self.threads)
-
-    def enter(self, batch_size: int, method: str) -> None:
-        """Threads and CPUs for a job of ``method`` at ``batch_size`` (idempotent: the jobs of a
-        phase ask alike; at batch 1 the methods alternate job by job)."""
-        import torch
-
-        alone = method == "ar" and self.share.solo is not None
-        bound = self.share.cpus is not None and binds(self.mode, batch_size) and not alone
-        want = frozenset(self.share.cpus) if bound else self.home
-        if want != self.current:
-            os.sched_setaffinity(0, want)
-            self.current = want
-        threads = self.share.solo if alone else self.share.threads
-        if threads != self.threads:
-            torch.set_num_threads(threads)
-            self.threads = threads
-
-
 def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:
-    """This rank's share of its node (``topology.share_cpus``, from every rank's CPU affinity:
+    """This rank's share of its node (``host/placement.py share_cpus``, from every rank's CPU affinity:
     collective over ``world.comm``; model-free stages count as light), its torch threads set."""
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
     threads = hier.stages[stage].threads
@@ -367,7 +307,7 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
 
 
 def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Doorbell | None:
-    """This rank's doorbell (comm/doorbell.py; collective over the world): rank 0 draws the job's
+    """This rank's doorbell (host/doorbell.py; collective over the world): rank 0 draws the job's
     token, every rank binds its bell and rings the replica's other ranks once; whether the bell
     covers the rank: ``bell_covers``; whose hello came: ``heard``. None where the OS has no
     abstract sockets, or ``run.doorbell`` is off."""

@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cpu_name() -> str:
-    from pipespec_mpi.models.dispatch import cpu_model
+    from pipespec_mpi.host.dispatch import cpu_model
 
     return cpu_model()
 

@@ -316,7 +316,7 @@ class StageLoop:
         t1 = self.clock.now()
         self.stats.forward_calls += 1
         if self.est is not None and self.method != "ar":  # AR's forwards run on other threads
-            self.est.forward(0, t1 - t0, t1)  # (topology.CpuShare.solo): not the policy's costs
+            self.est.forward(0, t1 - t0, t1)  # (host/placement.py CpuShare.solo): not the policy's costs
         self._commit([drawn.token], t1 - t0, [drawn.dist])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "draft":

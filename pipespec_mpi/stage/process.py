@@ -60,7 +60,7 @@ class Steppable(Protocol):
     def describe(self) -> str: ...
 
     def rung(self) -> bool:
-        """Everything its last WAITING step waits for rings its rank's bell (comm/doorbell.py):
+        """Everything its last WAITING step waits for rings its rank's bell (host/doorbell.py):
         a neighbour's publish or proposal, or its own ``recheck_at``."""
 
     def patient(self) -> bool:
@@ -91,7 +91,7 @@ class StageProcess:
     ) -> None:
         self.loop, self.gate, self.handoff = loop, gate, handoff
         # every other stage of the replica rings this rank when it joins the deal, the gate or
-        # the handoff (comm/doorbell.py RingingGate, RingingDeal, RingingHandoff): waits there
+        # the handoff (host/doorbell.py RingingGate, RingingDeal, RingingHandoff): waits there
         # may sleep longer
         self.collectives_ring = collectives_ring
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start

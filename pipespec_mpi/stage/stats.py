@@ -50,7 +50,7 @@ class StageStats:
     t1_perf_counter: float = 0.0
     threads: int = 0  # the CPU threads this rank computes with (its share of the node's cores)
     cpus: list[int] | None = None  # the CPUs it was bound to (run.cpu_bind); None: as launched
-    cores: float | None = None  # the node's CPUs it accounts for in a cost (topology.CpuShare.cores)
+    cores: float | None = None  # the node's CPUs it accounts for in a cost (host/placement.py CpuShare.cores)
     n_gpus: int = 0  # the GPUs it holds
     bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
     drafter: dict = field(default_factory=dict)  # a model-free stage 0's own counters (models/suffix.py)

@@ -1,4 +1,4 @@
-"""Doorbells between real ranks (comm/doorbell.py, run/setup.py ``open_doorbell``): on one node
+"""Doorbells between real ranks (host/doorbell.py, run/setup.py ``open_doorbell``): on one node
 every neighbour's hello arrives, so a bell covers its rank where the window and transport let a
 ring mean a visible change; and a small MPI message is in the receiver's queue by the time the
 ring it was followed by wakes the receiver (what ``bell_covers`` relies on for proposals); every
@@ -114,7 +114,7 @@ def rank_main() -> None:
 
     import time
 
-    from pipespec_mpi.comm.doorbell import RingingDeal
+    from pipespec_mpi.host.doorbell import RingingDeal
 
     counting = CountingBell(kept)
     claim_after = 0.5

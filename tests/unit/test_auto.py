@@ -19,11 +19,11 @@ from pipespec_mpi.auto.measured import (
     stage_shares,
 )
 from pipespec_mpi.config import DecodeConfig, StageConfig, compose_config
+from pipespec_mpi.host.placement import CpuShare
 from pipespec_mpi.plan.options import AUTO_GRID
 from pipespec_mpi.plan.realize import realize
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
-from pipespec_mpi.topology import CpuShare
 
 
 def predict(m, decode, max_stages, margin, seeds=(0,), batch_sizes=(1,)):
@@ -198,7 +198,7 @@ def test_the_cache_answers_only_for_what_it_was_measured_for(tmp_path):
 
 def test_costs_measured_with_other_kernels_are_not_reused(tmp_path, monkeypatch):
     from pipespec_mpi.auto import fingerprint
-    from pipespec_mpi.models import flat_linear
+    from pipespec_mpi.models.cpu import flat_linear
 
     here = fingerprint.machine(2, 3)
     assert here["kernels"] == flat_linear.kernels_digest()

@@ -1,4 +1,4 @@
-"""A rank's threads and CPUs job by job (``run.setup.CpuPlacement``), on this process's own
+"""A rank's threads and CPUs job by job (``host.placement.CpuPlacement``), on this process's own
 affinity and torch threads, restored after each test."""
 
 import os
@@ -6,8 +6,7 @@ import os
 import pytest
 import torch
 
-from pipespec_mpi.run.setup import CpuPlacement
-from pipespec_mpi.topology import CpuShare
+from pipespec_mpi.host.placement import CpuPlacement, CpuShare
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
 """Dispatch settings a CPU cannot honour are errors naming the setting, never a silent fallback
-to other numerics (models/dispatch.py); the kernels run the ISA PIPESPEC_KERNEL_ISA asks for."""
+to other numerics (host/dispatch.py); the kernels run the ISA PIPESPEC_KERNEL_ISA asks for."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.models import dispatch
+from pipespec_mpi.host import dispatch
 
 AVX2_CPU = {"sse4_1", "sse4_2", "avx", "avx2", "fma"}
 ALL = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "PIPESPEC_KERNEL_ISA")

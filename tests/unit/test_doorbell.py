@@ -1,4 +1,4 @@
-"""Doorbells (comm/doorbell.py): a ring wakes a waiting bell and is never lost, a full or absent
+"""Doorbells (host/doorbell.py): a ring wakes a waiting bell and is never lost, a full or absent
 bell never blocks the ringer, ringing ports ring after the change, and the driver sleeps on a bell
 that covers its stage until rung, its recheck or the quiet limit."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipespec_mpi.comm.doorbell import (
+from pipespec_mpi.host.doorbell import (
     Doorbell,
     RingingDeal,
     RingingGate,

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from pipespec_mpi.config import TinyBaseConfig
-from pipespec_mpi.models import dispatch, flat_linear
-from pipespec_mpi.models.attention import rows_kernel
+from pipespec_mpi.host import dispatch
 from pipespec_mpi.models.base import KVScorer, score_batch
-from pipespec_mpi.models.lowbit import FORMATS, quantize
-from pipespec_mpi.models.lowbit import extension as lowbit_extension
+from pipespec_mpi.models.cpu import flat_linear
+from pipespec_mpi.models.cpu.attention import rows_kernel
+from pipespec_mpi.models.cpu.lowbit import FORMATS, quantize
+from pipespec_mpi.models.cpu.lowbit import extension as lowbit_extension
 from tests.unit.test_lean import model_for
 
 ISAS = [

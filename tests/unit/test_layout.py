@@ -20,6 +20,7 @@ LAYERS = [
     {"config"},
     {"speculative"},
     {"stage"},
+    {"host"},
     {"comm", "models", "platforms", "records"},
     {"analysis"},
     {"run"},

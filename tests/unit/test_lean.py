@@ -1,4 +1,4 @@
-"""The lean Llama forward (models/lean.py) against the transformers forward it replaces: logits
+"""The lean Llama forward (models/cpu/lean.py) against the transformers forward it replaces: logits
 bitwise equal (torch.equal) through prefill, one-token steps, k-token verifications and rollbacks,
 with and without the flat kernel and its fused linears, grouped-query heads, both sdpa flavours,
 an int8 dynamic copy; unsupported models keep the transformers forward."""
@@ -13,12 +13,12 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import TinyBaseConfig
-from pipespec_mpi.models import flat_linear
-from pipespec_mpi.models.attention import use_sdpa_gqa
 from pipespec_mpi.models.base import KVScorer, score_batch
-from pipespec_mpi.models.flat_linear import extension, use_flat_linear
+from pipespec_mpi.models.cpu import flat_linear
+from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
+from pipespec_mpi.models.cpu.flat_linear import extension, use_flat_linear
+from pipespec_mpi.models.cpu.lean import LeanLlama, _rotate, _signed, build_lean, unsupported_reason
 from pipespec_mpi.models.kv_cache import preallocated_cache
-from pipespec_mpi.models.lean import LeanLlama, _rotate, _signed, build_lean, unsupported_reason
 from pipespec_mpi.models.tiny import build_tiny
 
 needs_kernel = pytest.mark.skipif(extension() is None, reason="flat kernel not buildable on this CPU")
@@ -139,7 +139,7 @@ def test_lean_equals_transformers_flat_linear(base, fuse, monkeypatch):
 def make_block_exact(model: torch.nn.Module) -> None:
     """Every linear weight replaced by its Q4_1 blocks dequantised, the output layer's by Q8_0:
     a model as one dequantised from a GGUF (the embedded SmolLM2) holds its weights."""
-    from pipespec_mpi.models.lowbit import dequantize, quantize
+    from pipespec_mpi.models.cpu.lowbit import dequantize, quantize
 
     for name, m in model.named_modules():
         if type(m) is torch.nn.Linear:
@@ -156,7 +156,7 @@ def test_block_exact_weights_are_read_from_their_blocks_bitwise():
     ref_model, model = model_for("tiny", flat=False), model_for("tiny", flat=False)
     make_block_exact(ref_model)
     make_block_exact(model)
-    from pipespec_mpi.models.lowbit import read_exact_blocks
+    from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
 
     n = flat_linear.use_flat_linear(ref_model)
     assert flat_linear.use_flat_linear(model) == n > 0
@@ -182,8 +182,8 @@ def test_lean_int8_dynamic_copy():
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "q8", "q4"])
 def test_lean_lowbit_copies(fmt):
-    """Weight-only low-bit linears (models/lowbit.py), fused where they offer it."""
-    lowbit = pytest.importorskip("pipespec_mpi.models.lowbit")
+    """Weight-only low-bit linears (models/cpu/lowbit.py), fused where they offer it."""
+    lowbit = pytest.importorskip("pipespec_mpi.models.cpu.lowbit")
     ref_model, model = model_for("tiny", flat=False), model_for("tiny", flat=False)
     assert lowbit.use_lowbit_linear(ref_model, fmt) == lowbit.use_lowbit_linear(model, fmt) > 0
     lean = lean_for(model)
@@ -314,7 +314,7 @@ def test_exact_rows_verification_equals_one_token_steps(kernel):
 
 
 def test_exact_rows_off_without_the_flat_or_the_row_kernel(monkeypatch):
-    import pipespec_mpi.models.lean as lean_module
+    import pipespec_mpi.models.cpu.lean as lean_module
 
     monkeypatch.setattr(lean_module, "rows_kernel", lambda isa=None: None)
     plain = KVScorer("plain", model_for("tiny", flat=False), torch.device("cpu"), exact_rows=True)

@@ -9,8 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import ConfigError, compose_config, validate
-from pipespec_mpi.models import dispatch, flat_linear
-from pipespec_mpi.models.lowbit import (
+from pipespec_mpi.host import dispatch
+from pipespec_mpi.models.cpu import flat_linear
+from pipespec_mpi.models.cpu.lowbit import (
     DENSE_ROWS,
     FORMATS,
     LowBitLinear,
@@ -156,7 +157,7 @@ def test_from_dense_rows_on_a_forward_is_torchs_gemm_and_w8a8_stays_bitwise(fmt)
 
 
 def test_dense_rows_are_chosen_by_the_cpus_amx_tiles(monkeypatch):
-    from pipespec_mpi.models import lowbit
+    from pipespec_mpi.models.cpu import lowbit
 
     monkeypatch.setattr(lowbit, "cpu_flags", lambda: {"avx512f", "avx512_vnni", "avx512_bf16"})
     assert [dense_rows(f, None) for f in FORMATS] == [0] * len(FORMATS)  # no AMX: the kernel

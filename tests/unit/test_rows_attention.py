@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipespec_mpi.models.attention import rows_kernel
-from pipespec_mpi.models.dispatch import supported_isas
+from pipespec_mpi.host.dispatch import supported_isas
+from pipespec_mpi.models.cpu.attention import rows_kernel
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(rows_kernel(isa) is None, reason="no build"))

@@ -1,6 +1,7 @@
 import pytest
 
-from pipespec_mpi.topology import CpuShare, TopologyError, binds, check_world, device_for, place, share_cpus
+from pipespec_mpi.host.placement import CpuShare, binds, share_cpus
+from pipespec_mpi.topology import TopologyError, check_world, device_for, place
 
 
 @pytest.mark.parametrize("world,stages", [(3, 3), (6, 3), (2, 2), (8, 2), (1, 1), (4, 4)])

@@ -20,7 +20,7 @@ A run fails when
   counter    a stage's counters do not add up (tokens generated + adopted - discarded = kept, ...),
              or after a stop request a stage started a job, or the stages disagree on jobs left
   unrung     a stage moved although nothing it reads changed since its step that waited (every
-             read fresh, no recheck due): a rank asleep on its doorbell (comm/doorbell.py) would
+             read fresh, no recheck due): a rank asleep on its doorbell (host/doorbell.py) would
              have slept through that change (not checked in the chaos families, whose drawn
              estimates change decisions with nothing changed)
 

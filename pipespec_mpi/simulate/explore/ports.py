@@ -36,7 +36,7 @@ class World(Protocol):
 
     def stir(self, node: int) -> None:
         """Something ``node`` reads changed (a publish or a message it can receive now): what
-        rings its rank's bell (comm/doorbell.py)."""
+        rings its rank's bell (host/doorbell.py)."""
 
 
 class TickClock:

@@ -148,7 +148,7 @@ class World:
             self.procs.append(stage)
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)
-        # The doorbell check (comm/doorbell.py): a stage whose step waited with a bell that covers
+        # The doorbell check (host/doorbell.py): a stage whose step waited with a bell that covers
         # it (``rung()``), every read fresh and no recheck due (``recheck_at`` None), sleeps until
         # something it reads changes (``stir``); a step before then must wait again, or the real
         # driver would have slept through a change (until its 10 ms limit). A wait with a recheck

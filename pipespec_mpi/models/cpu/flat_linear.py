@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from pipespec_mpi.models.dispatch import cpu_isa, supported_isas
+from pipespec_mpi.host.dispatch import cpu_isa, supported_isas
 
 log = logging.getLogger("pipespec_mpi")
 MAX_ROWS = 16

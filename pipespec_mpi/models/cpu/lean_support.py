@@ -14,8 +14,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama import modeling_llama as ml
 
-    from pipespec_mpi.models.attention import NAME as SDPA_GQA
-    from pipespec_mpi.models.attention import sdpa_gqa_forward
+    from pipespec_mpi.models.cpu.attention import NAME as SDPA_GQA
+    from pipespec_mpi.models.cpu.attention import sdpa_gqa_forward
 
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in ("llama",):

@@ -75,7 +75,7 @@ def rows_kernel(isa: str | None = None) -> Callable | None:
     of context, one thread, 2-core Xeon with AMX, 2026-12-05): four sequences of one row 78 us
     against 160; eight rows of one sequence 113 us against 86 in one masked call, or ~320 in the
     eight one-row calls that make them exact without it. ``isa``: a build other than the widest."""
-    from pipespec_mpi.models.flat_linear import build, kernel_source
+    from pipespec_mpi.models.cpu.flat_linear import build, kernel_source
 
     ext = build("pipespec_rows_attention_v1", kernel_source("attention.cpp"), ["rows_attention"], isa)
     return None if ext is None else ext.rows_attention

@@ -5,7 +5,7 @@ reads less memory per step. Unlike torch's dynamic int8 (``quantize_dynamic``: a
 quantised to 8 bits as well, and its small-M GEMM re-packs per call), the layers here keep the
 activations and the accumulation in float32 and only *store* the weights in fewer bits; the
 kernel converts each weight vector to float32 in registers and uses it for every row of x, as the
-float32 flat kernel does (``models/flat_linear.py``: two weight rows per pass, up to GROUP rows
+float32 flat kernel does (``models/cpu/flat_linear.py``: two weight rows per pass, up to GROUP rows
 of x against them, every output the same dot product in the same order whatever the row count).
 
 Formats (``FORMATS``), all with blocks of 32 along the input dimension where they have blocks:
@@ -43,8 +43,8 @@ import logging
 
 import torch
 
-from pipespec_mpi.models.dispatch import cpu_flags, cpu_isa
-from pipespec_mpi.models.flat_linear import Blocks, FlatLinear, build, kernel_source
+from pipespec_mpi.host.dispatch import cpu_flags, cpu_isa
+from pipespec_mpi.models.cpu.flat_linear import Blocks, FlatLinear, build, kernel_source
 
 log = logging.getLogger("pipespec_mpi")
 BLOCK = 32

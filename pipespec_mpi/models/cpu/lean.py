@@ -25,7 +25,7 @@ paths call identically over K/V the weight stream has evicted from cache, takes 
 ms, so the framework's own share went from ~5.6 to 2.3 ms and from ~6.2 to 3.3 ms.
 
 ``rows_alone`` (a stage's ``exact_rows``) departs from transformers on purpose: every decoding
-row's attention computed alone (the row attention kernel, models/attention.py), so that a row's
+row's attention computed alone (the row attention kernel, models/cpu/attention.py), so that a row's
 logits do not depend on the rows beside it.
 
 Anything the loop does not reproduce (another architecture, rope types that rescale with the
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv as _repeat_kv
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa as _use_gqa_in_sdpa
 
-from pipespec_mpi.models.attention import attend_rows_alone, rows_kernel
+from pipespec_mpi.models.cpu.attention import attend_rows_alone, rows_kernel
+from pipespec_mpi.models.cpu.lean_support import _rms_norm, _rotate, _signed, unsupported_reason
 from pipespec_mpi.models.kv_cache import PreallocatedLayer
-from pipespec_mpi.models.lean_support import _rms_norm, _rotate, _signed, unsupported_reason
 
 if TYPE_CHECKING:
     from transformers import Cache
@@ -148,7 +148,7 @@ class LeanLlama:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from pipespec_mpi.models import flat_linear
+        from pipespec_mpi.models.cpu import flat_linear
 
         reason = unsupported_reason(model)
         if reason is not None:
