@@ -146,7 +146,7 @@ class HierarchyConfig:
 @dataclass
 class DecodeConfig:
     """What the stage loop needs: window sizes and budgets (the algorithm's knobs). Defaults
-    chosen by measurement (README "The default hierarchy", docs/performance.md)."""
+    chosen by measurement (README "The default hierarchy", docs/notebook.md)."""
 
     lookahead: int = 0  # proposals a PipeSpec verifier waits for; 0 = verify whatever is pending,
     # else take a step of its own (the paper's rule)
@@ -158,7 +158,7 @@ class DecodeConfig:
     # drafter waits for its proposal (or its word that it has none) instead of stepping on its own
     # (the adaptive policy always does: policy.answer_due). Off: on a 2-core AVX2 EPYC (code, 4
     # runs each way, alternating) it raised the middle stage's forwards with a proposal from 40%
-    # to 70% but not the speed (1.67x AR against 1.72x; docs/performance.md)
+    # to 70% but not the speed (1.67x AR against 1.72x; docs/notebook.md)
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
     policy: str = "adaptive"  # PipeSpec's decisions: adaptive (speculative/goodput.py: each verifier
     # verifies, waits or steps on its own by expected tokens per second, from acceptance, forward
@@ -308,6 +308,9 @@ class DeviceConfig:
     # portable: every Llama stage runs the portable engine (models/engine.py: plain torch, B
     # slots in one forward, on any device)
     kernels: str = "cpu"
+    # the portable engine's forward under torch.compile (whole: it has no graph break); on a GPU
+    # the first forwards of each shape wait for the compiler
+    compile: bool = False
 
 
 @dataclass

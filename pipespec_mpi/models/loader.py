@@ -134,12 +134,13 @@ def _load_torch_model(
 
 
 def load_stage(
-    hier: HierarchyConfig, index: int, cuda_devices: list[int], kernels: str = "cpu"
+    hier: HierarchyConfig, index: int, cuda_devices: list[int], kernels: str = "cpu", compiled: bool = False
 ) -> Scorer | Proposer:
     """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer. ``kernels``
     (``device.kernels``): "portable" runs every Llama stage on the portable engine; "cpu" runs
     the stages on a GPU on it and those on a CPU as transformers models (the lean forward and the
-    project's kernels where they apply: models/base.py)."""
+    project's kernels where they apply: models/base.py). ``compiled``: the portable engine's forward
+    under torch.compile (``device.compile``)."""
     stage = hier.stages[index]
     if stage.kind == "prompt_lookup":
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
@@ -151,7 +152,7 @@ def load_stage(
         device = torch.device("cpu")
     model = _load_torch_model(hier, index, device, cuda_devices)
     if not derived and (kernels == "portable" or device.type != "cpu"):
-        scorer = _portable(stage.name, model)
+        scorer = _portable(stage.name, model, compiled)
         if scorer is not None:
             return scorer
     if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
@@ -169,7 +170,7 @@ def load_stage(
     return KVScorer(stage.name, model, device, exact_rows=exact_rows)
 
 
-def _portable(name: str, model: torch.nn.Module) -> Scorer | None:
+def _portable(name: str, model: torch.nn.Module, compiled: bool = False) -> Scorer | None:
     """``model`` on the portable engine (models/engine.py), or None (logged) where it cannot run."""
     from pipespec_mpi.models.engine import Weights, unsupported_reason
     from pipespec_mpi.models.portable import Engine, PortableScorer
@@ -179,8 +180,11 @@ def _portable(name: str, model: torch.nn.Module) -> Scorer | None:
         log.info("%s: transformers forward (portable engine: %s)", name, why)
         return None
     n = getattr(model.config, "max_position_embeddings", None)
-    log.info("%s: portable engine on %s, %s", name, model.device, model.dtype)
-    return PortableScorer(name, Engine(Weights.of(model.eval()), max_context=int(n) if n else None))
+    log.info(
+        "%s: portable engine on %s, %s%s", name, model.device, model.dtype, ", compiled" if compiled else ""
+    )
+    engine = Engine(Weights.of(model.eval()), max_context=int(n) if n else None, compiled=compiled)
+    return PortableScorer(name, engine)
 
 
 def _suffix_drafter(hier: HierarchyConfig, stage: StageConfig) -> SuffixDrafter:

@@ -37,7 +37,7 @@ rules keep the estimates honest, whatever the timing:
     time it cuts a draft its q drifts towards the prior (``UNTRIED`` of a rejection's weight), so
     that it is tried again now and then instead of staying shut for the rest of the job. Without
     the drift, which cells shut early in a job decided its speed: the same code job ran PipeSpec
-    at 1.40x and 1.08x AR (docs/performance.md).
+    at 1.40x and 1.08x AR (docs/notebook.md).
 
 The index is two hash maps (last token, last two tokens) -> positions whose continuation starts
 there; a match is grown backwards from each of the most recent ``max_candidates`` positions. Each

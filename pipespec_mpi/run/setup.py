@@ -119,7 +119,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
         t0 = time.perf_counter()
-        model = load_stage(cfg.hierarchy, pl.stage, cuda_devices, cfg.device.kernels)
+        model = load_stage(cfg.hierarchy, pl.stage, cuda_devices, cfg.device.kernels, cfg.device.compile)
         if cpus.share.solo is not None and not getattr(model, "thread_invariant", False):
             cpus.as_alone()  # no method's output may differ from AR's by its threads
             log.info("stage %d: %d threads in every method (not thread-invariant)", pl.stage, cpus.threads)

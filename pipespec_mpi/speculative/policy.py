@@ -109,7 +109,7 @@ def answer_due(v: View, est: Estimates) -> bool:
     this stage computes or waits) do not describe it: such a drafter proposes once per token of
     ours, whatever the rate. On 16 code prompts (2-core Xeon with AMX) the middle stage stepped
     on its own in about half of its forwards, most of them within a millisecond of the
-    drafter's proposal for the same position (docs/performance.md)."""
+    drafter's proposal for the same position (docs/notebook.md)."""
     if v.pending or not v.upstream_free or v.upstream_idle or v.joining:
         return False
     return not est.waited_an_own_step(v.now)

@@ -19,7 +19,7 @@ for one row, 46 ms for four, 119 ms for sixteen), and a slot that waits misses t
 joins the next one anyway; stepping now and verifying in the next forward what arrived meanwhile
 commits at least as much (the step's token is the first proposal's, or the proposal would have been
 rejected there). Waiting, a 4-slot target's forwards held 2.9-3.3 of its slots, joining 3.3-3.5,
-and PipeSpec went from 0.97-0.99x to 1.02-1.12x batched AR (16 code prompts, docs/performance.md).
+and PipeSpec went from 0.97-0.99x to 1.02-1.12x batched AR (16 code prompts, docs/notebook.md).
 
 Under ``decode.policy=adaptive`` the slots' verifications share one budget of
 ``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most

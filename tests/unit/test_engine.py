@@ -177,3 +177,14 @@ def test_decode_and_verify_steps_compile_fullgraph():
     assert torch.allclose(rows[0], eager[0], atol=1e-5)  # slot 0's cache saw the same writes since start
     got = verdicts(tokens[:, 1:], count - 1, rows.argmax(-1))
     assert got.shape == (3, 2)
+
+
+@pytest.mark.slow
+def test_the_compiled_engine_computes_what_the_eager_one_does():
+    """``device.compile``: the same scorer API through torch.compile's forward."""
+    torch._dynamo.reset()
+    w = Weights.of(tiny(torch.float64))
+    ref = run_rounds(PortableScorer("eager", Engine(w)))
+    got = run_rounds(PortableScorer("compiled", Engine(w, compiled=True)))
+    for a, b in zip(ref, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
