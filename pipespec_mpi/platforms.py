@@ -37,6 +37,9 @@ class CpuPlatform:
     def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
         return []
 
+    def own_gpus(self, stage_gpus: Sequence[int], stages_here: Sequence[int]) -> bool:
+        return False
+
     def problems(self, cfg: AppConfig, stages_here: Sequence[int]) -> list[str]:
         """Settings that need CUDA, on a node without it."""
         out = []
@@ -78,14 +81,18 @@ class CudaPlatform:
                     f"hierarchy.stages.{i}.n_gpus={s.n_gpus} but this node has {self.count} GPU(s): "
                     f"lower it, or run on a node with {s.n_gpus}"
                 )
-        need = sum(stages[s].n_gpus for s in stages_here)
-        if cfg.transport.kind == "nccl" and need > self.count:  # (auto takes MPI there)
+        gpus = [s.n_gpus for s in stages]
+        if cfg.transport.kind == "nccl" and not self.own_gpus(gpus, stages_here):  # (auto takes MPI)
             out.append(
-                f"transport.kind=nccl puts NCCL between {len(stages_here)} ranks here, "
-                f"which need {need} GPUs and this node has {self.count}: NCCL refuses two ranks on one "
-                "GPU; use transport.kind=mpi (the ranks share the GPUs) or more GPUs"
+                f"transport.kind=nccl puts NCCL between {len(stages_here)} ranks here, which need "
+                f"{sum(gpus[s] for s in stages_here)} GPUs and this node has {self.count}: NCCL refuses "
+                "two ranks on one GPU; use transport.kind=mpi (the ranks share the GPUs) or more GPUs"
             )
         return out
+
+    def own_gpus(self, stage_gpus: Sequence[int], stages_here: Sequence[int]) -> bool:
+        """Whether the node's ranks (their stages) each get GPUs of their own."""
+        return sum(stage_gpus[s] for s in stages_here) <= self.count
 
     def synchronize(self) -> None:
         import torch

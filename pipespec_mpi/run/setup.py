@@ -55,8 +55,7 @@ def resolve_transport(kind: str, platform: Platform, stage_gpus: list[int], stag
     (NCCL refuses two ranks on one GPU)."""
     if kind != "auto":
         return kind
-    own = platform.kind == "cuda" and sum(stage_gpus[s] for s in stages_here) <= platform.count
-    return "nccl" if own else "mpi"
+    return "nccl" if platform.own_gpus(stage_gpus, stages_here) else "mpi"
 
 
 def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:
