@@ -45,7 +45,7 @@ def our_run(extra: list[str], a: argparse.Namespace, out: Path) -> tuple[float, 
 
 
 def llamacpp_run(
-    binary: str, gguf: str, prompts: list[str], tokens: int, threads: int
+    binary: str, gguf: str, prompts: list[str], tokens: int, threads: int, extra: list[str]
 ) -> tuple[float, float]:
     """(ms per generated token with the prompt's evaluation, decode-only ms per token)."""
     total_ms = eval_ms = 0.0
@@ -54,8 +54,8 @@ def llamacpp_run(
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(text)
         cmd = [binary, "-m", gguf, "-f", f.name, "-n", str(tokens), "--temp", "0", "-t", str(threads),
-               "--ignore-eos", "-no-cnv", "--no-warmup"]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+               "--ignore-eos", "-no-cnv", "--no-warmup", "--perf", *extra]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         os.unlink(f.name)
         log = proc.stdout + proc.stderr
         prompt = re.search(r"prompt eval time =\s*([\d.]+) ms", log)
@@ -77,6 +77,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--llama-args", default="", help="more llama-completion arguments (e.g. --no-repack)")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -93,8 +94,9 @@ def main() -> int:
                 if texts is None:
                     texts = [tok.decode(rec["prompt_ids"]) for rec in recs]
                 print(f"round {r}: {name}: {ms:.2f} ms/token", flush=True)
+            gguf = str(gguf_dir() / GGUF_NAME)
             total, decode = llamacpp_run(
-                a.llama_completion, str(gguf_dir() / GGUF_NAME), texts or [], a.tokens, a.threads
+                a.llama_completion, gguf, texts or [], a.tokens, a.threads, a.llama_args.split()
             )
             rows["llama.cpp"].append(total)
             rows["llama.cpp decode only"].append(decode)
