@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from pipespec_mpi.comm.bootstrap import init_torch_distributed, world_info
-from pipespec_mpi.comm.links import open_receiver, open_sender
+from pipespec_mpi.comm.links import LinkSpec, open_receiver, open_sender
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.stage.ports import Header
 from pipespec_mpi.stage.wait import wait_until
@@ -58,8 +58,9 @@ def round_trip(transport: str, iters: int) -> float | None:
         import torch
 
         device = torch.device(f"cuda:{r}")
-    snd = open_sender(transport, comm, peer, 8, 32, device)
-    rcv = open_receiver(transport, comm, peer, 8, 32, device)
+    spec = LinkSpec(peer, 8, 32, device)
+    snd = open_sender(transport, comm, spec)
+    rcv = open_receiver(transport, comm, spec)
     toks = list(range(8))
     comm.Barrier()
     t0 = time.perf_counter()

@@ -49,6 +49,7 @@ Discrepancies found when checking the paper's rho (documented, not "fixed"):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 
 def _check_alpha(alpha: float) -> None:
@@ -108,20 +109,36 @@ def sd_tokens_per_target_time(alpha: float, gamma: float, c: float) -> float:
     return geometric_sum(alpha, gamma) / (gamma / c + 1.0)
 
 
+def bisect_increasing(
+    f: Callable[[float], float],
+    target: float,
+    lo: float,
+    hi: float,
+    *,
+    steps: int | None = None,
+    tol: float = 0.0,
+) -> float:
+    """Where an increasing ``f`` reaches ``target`` between ``lo`` and ``hi``, by bisection: a
+    midpoint where ``f < target`` becomes the low end, else the high end; ``steps`` halvings, or
+    without ``steps`` as many as leave the interval at most ``tol`` wide. The last midpoint."""
+    n = 0
+    while (n < steps) if steps is not None else (hi - lo > tol):
+        mid = 0.5 * (lo + hi)
+        if f(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+        n += 1
+    return 0.5 * (lo + hi)
+
+
 def alpha_from_mean_committed(mean_committed: float, gamma: float, tol: float = 1e-12) -> float:
     """Invert S: the i.i.d. acceptance rate for which a ``gamma``-token verification commits
     ``mean_committed`` tokens on average (bisection; S is increasing in alpha)."""
     _check_gamma(gamma)
     if not 1.0 <= mean_committed <= gamma + 1.0:
         raise ValueError(f"mean_committed={mean_committed}: must be in [1, gamma + 1 = {gamma + 1}]")
-    lo, hi = 0.0, 1.0
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        if geometric_sum(mid, gamma) < mean_committed:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    return bisect_increasing(lambda a: geometric_sum(a, gamma), mean_committed, 0.0, 1.0, tol=tol)
 
 
 def alpha_from_trace(trace: list[list[int]] | list[tuple[int, int]]) -> float:

@@ -19,7 +19,8 @@ only says how to allocate a buffer, start a send or receive, and test it:
 
 The receiver keeps ``depth`` receives posted ahead and takes them in posting order (MPI, gloo and
 NCCL all keep point-to-point order per sender), so a stage never blocks on its upstream.
-``open_sender(transport, ...)`` and ``open_receiver(transport, ...)`` build the transport's classes.
+A ``LinkSpec`` says what a link is; ``open_sender(transport, comm, spec)`` and
+``open_receiver(transport, comm, spec)`` (comm/links.py) build the transport's classes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +45,32 @@ from pipespec_mpi.comm.wire import (
     used_words,
 )
 from pipespec_mpi.stage.ports import Proposal
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What one end of a link is, whatever its transport: the rank at the other end, the receives
+    kept posted (and send buffers), the tokens a message carries, the CUDA device of its buffers
+    (nccl), the float32 row width of each token's distribution (0: none) and the tag that tells
+    links of one pair apart (mpi, gloo)."""
+
+    peer: int
+    depth: int
+    max_msg_tokens: int
+    device: Any = None
+    dist_width: int = 0
+    tag: int = TAG
+
+
+class _End:
+    """An end of a link over ``comm``, the transport's communicator, with ``spec``'s fields as the
+    attributes a transport reads (``width``: max_msg_tokens)."""
+
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        self.comm, self.spec = comm, spec
+        self.device, self.tag = spec.device, spec.tag  # what a transport needs of them
+        self.peer, self.depth = spec.peer, spec.depth
+        self.width, self.dist_width = spec.max_msg_tokens, spec.dist_width
 
 
 class _SendRing:
@@ -80,25 +109,16 @@ class _SendRing:
 # sending
 
 
-class Sender:
+class Sender(_End):
     """Downstream side of a link (owned by the proposing stage): chunks tokens into messages and
     keeps the ring of send buffers. A transport supplies ``_new_buffer``, ``_host``, ``_start``
     and ``_done``; ``open_sender`` builds the transport's class."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        self.comm, self.device, self.tag = comm, device, tag  # what a transport needs of them
-        self.peer, self.depth = peer, depth
-        self.width, self.dist_width = max_msg_tokens, dist_width
-        self.ring = _SendRing(depth, buffer_words(max_msg_tokens, dist_width), self._new_buffer, self._done)
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, spec)
+        self.ring = _SendRing(
+            spec.depth, buffer_words(spec.max_msg_tokens, spec.dist_width), self._new_buffer, self._done
+        )
         self.bytes_sent = 0
 
     def _new_buffer(self, words: int):
@@ -190,17 +210,8 @@ class GlooSender(_TorchSender):
     """CPU tensors, encoded in place. gloo reports a send complete only once it is waited on; the
     peer always keeps receives posted, so that wait is short (the data is handed to the socket)."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width, tag)  # always CPU tensors
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, replace(spec, device=None))  # always CPU tensors
 
     def _host(self, i: int) -> np.ndarray:
         return self.ring.bufs[i].numpy()  # shares the tensor's memory
@@ -221,18 +232,9 @@ class NcclSender(_TorchSender):
     """Device tensors: a message is encoded in a host buffer and copied to its device buffer
     (synchronously, so the host buffer is free again at once); sends polled with is_completed."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width, tag)
-        self.host = np.zeros(buffer_words(max_msg_tokens, dist_width), dtype=np.int64)
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, replace(spec, device=nccl_device(spec.device)))
+        self.host = np.zeros(buffer_words(spec.max_msg_tokens, spec.dist_width), dtype=np.int64)
 
     def _host(self, i: int) -> np.ndarray:
         return self.host
@@ -251,25 +253,14 @@ class NcclSender(_TorchSender):
 # receiving
 
 
-class Receiver:
+class Receiver(_End):
     """Upstream side of a link (owned by the verifying stage): ``depth`` receives posted ahead,
     taken in posting order; ``closed`` counts the close messages seen; ``open_receiver`` builds
     the transport's class."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        self.comm, self.device, self.tag = comm, device, tag  # what a transport needs of them
-        self.peer, self.depth = peer, depth
-        self.width, self.dist_width = max_msg_tokens, dist_width
-        self.words = buffer_words(max_msg_tokens, dist_width)
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, spec)
+        self.words = buffer_words(spec.max_msg_tokens, spec.dist_width)
         self.closed = 0
 
     def _decode(self, host: np.ndarray) -> Proposal | None:
@@ -293,19 +284,10 @@ class _PolledReceiver(Receiver):
     """Receives tested in posting order from the stage's own thread; a transport supplies
     ``_new_buffer``, ``_post``, ``_done`` and ``_host``."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, device, dist_width, tag)
-        self.bufs = [self._new_buffer(self.words) for _ in range(depth)]
-        self.posted: deque = deque((i, self._post(i)) for i in range(depth))
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, spec)
+        self.bufs = [self._new_buffer(self.words) for _ in range(spec.depth)]
+        self.posted: deque = deque((i, self._post(i)) for i in range(spec.depth))
 
     def _new_buffer(self, words: int):
         raise NotImplementedError
@@ -360,17 +342,8 @@ class MpiReceiver(_PolledReceiver):
 class NcclReceiver(_PolledReceiver):
     """torch.distributed irecv into device tensors, polled with is_completed."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
-        super().__init__(comm, peer, depth, max_msg_tokens, nccl_device(device), dist_width, tag)
+    def __init__(self, comm, spec: LinkSpec) -> None:
+        super().__init__(comm, replace(spec, device=nccl_device(spec.device)))
 
     def _new_buffer(self, words: int):
         import torch
@@ -394,23 +367,14 @@ class GlooReceiver(Receiver):
     on, so a helper thread keeps the receives posted, waits on them in order (blocking, not
     spinning) and queues what arrives; ``poll`` drains the queue."""
 
-    def __init__(
-        self,
-        comm,
-        peer: int,
-        depth: int,
-        max_msg_tokens: int,
-        device=None,
-        dist_width: int = 0,
-        tag: int = TAG,
-    ) -> None:
+    def __init__(self, comm, spec: LinkSpec) -> None:
         import torch
 
-        super().__init__(comm, peer, depth, max_msg_tokens, None, dist_width, tag)  # always CPU tensors
+        super().__init__(comm, replace(spec, device=None))  # always CPU tensors
         self.queue: queue.Queue = queue.Queue()
-        self.bufs = [torch.zeros(self.words, dtype=torch.int64) for _ in range(depth)]
+        self.bufs = [torch.zeros(self.words, dtype=torch.int64) for _ in range(spec.depth)]
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name=f"recv<-{peer}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"recv<-{spec.peer}", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:

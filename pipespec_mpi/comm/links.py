@@ -1,11 +1,13 @@
 """The proposal channels by transport name: ``open_sender`` and ``open_receiver`` build the sending
-and receiving class of mpi, gloo, nccl (comm/channel.py) or strict (comm/strict.py)."""
+and receiving class of mpi, gloo, nccl (comm/channel.py) or strict (comm/strict.py) for a link
+described by a ``LinkSpec``."""
 
 from __future__ import annotations
 
 from pipespec_mpi.comm.channel import (
     GlooReceiver,
     GlooSender,
+    LinkSpec,
     MpiReceiver,
     MpiSender,
     NcclReceiver,
@@ -14,7 +16,8 @@ from pipespec_mpi.comm.channel import (
     Sender,
 )
 from pipespec_mpi.comm.strict import StrictReceiver, StrictSender
-from pipespec_mpi.comm.wire import TAG
+
+__all__ = ["RECEIVERS", "SENDERS", "LinkSpec", "open_receiver", "open_sender"]
 
 SENDERS: dict[str, type[Sender]] = {
     "mpi": MpiSender,
@@ -36,31 +39,14 @@ def _transport_class(table: dict, transport: str) -> type:
     return table[transport]
 
 
-def open_sender(
-    transport: str,
-    comm,
-    peer: int,
-    depth: int,
-    max_msg_tokens: int,
-    device=None,
-    dist_width: int = 0,
-    tag: int = TAG,
-) -> Sender:
-    """The sending side of a link to ``peer`` over ``transport`` (mpi, gloo, nccl); links of one
-    pair of ranks are told apart by ``tag`` (mpi, gloo: batched decoding's slots)."""
-    return _transport_class(SENDERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width, tag)
+def open_sender(transport: str, comm, spec: LinkSpec) -> Sender:
+    """The sending side of the link ``spec`` to ``spec.peer`` over ``transport`` (mpi, gloo, nccl,
+    strict); links of one pair of ranks are told apart by ``spec.tag`` (mpi, gloo: batched
+    decoding's slots)."""
+    return _transport_class(SENDERS, transport)(comm, spec)
 
 
-def open_receiver(
-    transport: str,
-    comm,
-    peer: int,
-    depth: int,
-    max_msg_tokens: int,
-    device=None,
-    dist_width: int = 0,
-    tag: int = TAG,
-) -> Receiver:
-    """The receiving side of a link from ``peer`` over ``transport`` (mpi, gloo, nccl), for
-    messages sent with ``tag``."""
-    return _transport_class(RECEIVERS, transport)(comm, peer, depth, max_msg_tokens, device, dist_width, tag)
+def open_receiver(transport: str, comm, spec: LinkSpec) -> Receiver:
+    """The receiving side of the link ``spec`` from ``spec.peer`` over ``transport`` (mpi, gloo,
+    nccl, strict), for messages sent with ``spec.tag``."""
+    return _transport_class(RECEIVERS, transport)(comm, spec)

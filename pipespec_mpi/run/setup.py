@@ -18,7 +18,7 @@ from typing import Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
-from pipespec_mpi.comm.links import open_receiver, open_sender
+from pipespec_mpi.comm.links import LinkSpec, open_receiver, open_sender
 from pipespec_mpi.comm.mux import MUXED, Demux, SlotReceiver, SlotSender
 from pipespec_mpi.comm.strict import StrictP2P
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
@@ -244,10 +244,14 @@ def connect(
             depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot)
         )
         sender = (
-            open_sender(loaded.transport, comm, pl.downstream, **chan) if pl.downstream is not None else None
+            open_sender(loaded.transport, comm, LinkSpec(pl.downstream, **chan))
+            if pl.downstream is not None
+            else None
         )
         receiver = (
-            open_receiver(loaded.transport, comm, pl.upstream, **chan) if pl.upstream is not None else None
+            open_receiver(loaded.transport, comm, LinkSpec(pl.upstream, **chan))
+            if pl.upstream is not None
+            else None
         )
     elif first is None:
         link_comm = loaded.p2p if loaded.transport == "strict" else comm
@@ -256,12 +260,12 @@ def connect(
         if (
             pl.downstream is not None
         ):  # opened first: the pairs' first operations chain up from the last stage
-            link = open_sender(loaded.transport, link_comm, pl.downstream, **chan)
+            link = open_sender(loaded.transport, link_comm, LinkSpec(pl.downstream, **chan))
             link.hello(lambda c, w: wait_until(c, cfg.run.stall_timeout_s, w))
             sender = SlotSender(link, slot)
         if pl.upstream is not None:
             receiver = SlotReceiver(
-                Demux(open_receiver(loaded.transport, link_comm, pl.upstream, **chan)), slot
+                Demux(open_receiver(loaded.transport, link_comm, LinkSpec(pl.upstream, **chan))), slot
             )
     else:
         sender = None if first.sender is None else SlotSender(first.sender.link, slot)

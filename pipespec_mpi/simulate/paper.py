@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from pipespec_mpi.analysis.analytical import bisect_increasing
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.engine import mean_ms_per_token, simulate
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
@@ -113,14 +114,8 @@ def paper_rates(models: Sequence[str], rates: Mapping[tuple[str, str], float]) -
 
 
 def fit_rate(metric: Callable[[float], float], target: float, lo: float = 0.01, hi: float = 0.999) -> float:
-    """The rate at which an increasing ``metric(rate)`` reaches ``target`` (bisection)."""
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        if metric(mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
+    """The rate at which an increasing ``metric(rate)`` reaches ``target`` (bisection, 30 halvings)."""
+    return bisect_increasing(metric, target, lo, hi, steps=30)
 
 
 def committed_to_trace(committed: Sequence[int], boundary: bool | None = None) -> dict[int, bool]:

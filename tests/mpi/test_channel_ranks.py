@@ -30,10 +30,10 @@ def rows(k: int, n: int):
 
 
 def send_side(transport: str, comm, dist_width: int, wait) -> None:
-    from pipespec_mpi.comm.links import open_sender
+    from pipespec_mpi.comm.links import LinkSpec, open_sender
     from pipespec_mpi.stage.wait import Backoff
 
-    snd = open_sender(transport, comm, 1, DEPTH, WIDTH, None, dist_width)
+    snd = open_sender(transport, comm, LinkSpec(1, DEPTH, WIDTH, None, dist_width))
     backoff = Backoff()
     for k, (prompt, epoch, start, tokens) in enumerate(runs()):
         dists = rows(k, len(tokens)) if dist_width else None
@@ -51,9 +51,9 @@ def send_side(transport: str, comm, dist_width: int, wait) -> None:
 def receive_side(transport: str, comm, dist_width: int, wait) -> None:
     import numpy as np
 
-    from pipespec_mpi.comm.links import open_receiver
+    from pipespec_mpi.comm.links import LinkSpec, open_receiver
 
-    rcv = open_receiver(transport, comm, 0, DEPTH, WIDTH, None, dist_width)
+    rcv = open_receiver(transport, comm, LinkSpec(0, DEPTH, WIDTH, None, dist_width))
     time.sleep(0.3)  # polls late: the sender gets ahead of the posted receives
     got = []
     expected = runs()

@@ -18,6 +18,7 @@ from pipespec_mpi.comm.channel import (
     META,
     GlooReceiver,
     GlooSender,
+    LinkSpec,
     MpiReceiver,
     MpiSender,
     NcclReceiver,
@@ -203,8 +204,9 @@ def make_link(transport: str, depth: int, width: int, dist_width: int = 0):
 
         comm = MPI.COMM_SELF
     device = torch.device("cpu") if transport == "nccl" else None
-    rcv = open_receiver(transport, comm, 0, depth, width, device, dist_width)
-    snd = open_sender(transport, comm, 0, depth, width, device, dist_width)
+    spec = LinkSpec(0, depth, width, device, dist_width)
+    rcv = open_receiver(transport, comm, spec)
+    snd = open_sender(transport, comm, spec)
     return snd, rcv
 
 
@@ -252,18 +254,19 @@ def test_sender_and_receiver_build_the_transport_classes(loopback):
         assert isinstance(snd, Sender) and isinstance(rcv, Receiver)
         close_link(snd, rcv)
     # the transport classes are called without the name; open_sender takes it as a keyword too
-    rcv = MpiReceiver(MPI.COMM_SELF, 0, 1, 4)
-    snd = open_sender(transport="mpi", comm=MPI.COMM_SELF, peer=0, depth=1, max_msg_tokens=4)
+    rcv = MpiReceiver(MPI.COMM_SELF, LinkSpec(0, 1, 4))
+    snd = open_sender(transport="mpi", comm=MPI.COMM_SELF, spec=LinkSpec(peer=0, depth=1, max_msg_tokens=4))
     assert type(snd) is MpiSender and (snd.depth, snd.width, snd.dist_width) == (1, 4, 0)
+    assert (snd.peer, snd.tag, snd.device) == (0, 7, None) and snd.spec == LinkSpec(0, 1, 4)
     close_link(snd, rcv)
     with pytest.raises(ValueError, match="unknown transport 'tcp'"):
-        open_sender("tcp", MPI.COMM_SELF, 0, 2, 4)
+        open_sender("tcp", MPI.COMM_SELF, LinkSpec(0, 2, 4))
     with pytest.raises(ValueError, match="unknown transport 'shm'"):
-        open_receiver("shm", MPI.COMM_SELF, 0, 2, 4)
+        open_receiver("shm", MPI.COMM_SELF, LinkSpec(0, 2, 4))
     with pytest.raises(ValueError, match="CUDA device"):
-        open_sender("nccl", None, 0, 2, 4)
+        open_sender("nccl", None, LinkSpec(0, 2, 4))
     with pytest.raises(ValueError, match="CUDA device"):
-        open_receiver("nccl", None, 0, 2, 4, dist_width=3)
+        open_receiver("nccl", None, LinkSpec(0, 2, 4, dist_width=3))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -323,7 +326,7 @@ def test_gloo_send_works_are_waited_once(loopback):
 
 def test_gloo_receive_failure_surfaces_on_poll(loopback):
     loopback.fail_recv = True
-    rcv = open_receiver("gloo", None, 0, 2, 4)
+    rcv = open_receiver("gloo", None, LinkSpec(0, 2, 4))
     rcv.thread.join(5)
     with pytest.raises(RuntimeError, match="gloo receive from rank 0 failed"):
         rcv.poll()
