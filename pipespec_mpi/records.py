@@ -1,4 +1,4 @@
-"""The files of a run directory as types (README "Output contract").
+"""The files of a run directory as types (docs/outputs.md).
 
 - ``Record``: one line of ``results.jsonl`` (and of ``parts/replica-<r>.jsonl``): one (prompt,
   method, sample), with one ``StageStats`` per stage, as each stage sent it. ``iter_records`` is

@@ -1,4 +1,4 @@
-"""Metric definitions (pure functions over records; see README "Output contract").
+"""Metric definitions (pure functions over records; see docs/outputs.md).
 
 Definitions follow what users know from vLLM / llama.cpp:
   mean acceptance length   1 + accepted proposal tokens / verifications

@@ -146,7 +146,7 @@ class HierarchyConfig:
 @dataclass
 class DecodeConfig:
     """What the stage loop needs: window sizes and budgets (the algorithm's knobs). Defaults
-    chosen by measurement (README "The default hierarchy", docs/notebook.md)."""
+    chosen by measurement (docs/hierarchies.md, docs/notebook.md)."""
 
     lookahead: int = 0  # proposals a PipeSpec verifier waits for; 0 = verify whatever is pending,
     # else take a step of its own (the paper's rule)
