@@ -25,10 +25,9 @@ def sample_pairs(
     top_p: float,
     coupling: str,
     extra: tuple[str, ...] = (),
-    verified: bool = True,
 ) -> list:
-    """The first two tokens of N samples of the fib prompt; ``verified``: the target's
-    verifications must have accepted some proposal (else the run tested only its own steps)."""
+    """The first two tokens of N samples of the fib prompt, after checking that the target's
+    verifications accepted some proposal (else the run tested only its own steps)."""
     jsonl = tmp / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": PROMPT, "id": "fib"}) + "\n")
     recs = launch_ok(
@@ -42,8 +41,7 @@ def sample_pairs(
         timeout=600,
     )  # fmt: skip
     assert len(recs) == N
-    if verified:
-        assert sum(r["stages"][-1]["tokens_accepted"] for r in recs) > 0  # verification happened
+    assert sum(r["stages"][-1]["tokens_accepted"] for r in recs) > 0  # verification happened
     return [tuple(r["output_ids"][:2]) for r in recs]
 
 
