@@ -30,9 +30,11 @@ def test_within_is_a_factor_either_way():
 
 
 def test_a_stale_cached_cost_is_measured_again(tmp_path):
-    """The cache as a job beside a busy process would have left it: every cost 1000x what this
-    machine takes now. The spot check catches it, the costs are measured again and re-cached;
-    the agreement (no timing in it) still comes from the cache."""
+    """The cache as a job beside a busy process would have left it: every cost a million times
+    what this machine takes now (a factor no load on this machine comes near: the measurements
+    here, of a tiny model's sub-millisecond step, vary 10x and more when CI shares its cores). The
+    spot check catches it, the costs are measured again and re-cached; the agreement (no timing in
+    it) still comes from the cache."""
     from pipespec_mpi.models.loader import load_tokenizer
 
     cfg = compose_config([*QUICK, f"auto.cache_dir={tmp_path}"])
@@ -45,16 +47,16 @@ def test_a_stale_cached_cost_is_measured_again(tmp_path):
     doc = json.loads(path.read_text())
     for _, stages in doc["value"]["costs"]:
         for cost in stages:
-            cost["points"] = [[n, 1000 * s] for n, s in cost["points"]]
+            cost["points"] = [[n, 1e6 * s] for n, s in cost["points"]]
     path.write_text(json.dumps(doc))
 
     again = calibrate(cfg, prompts, tok.eos_token_id, node)
     assert again.spot is not None and not again.spot.agrees
-    assert again.spot.cached_s > 100 * again.spot.measured_s
+    assert again.spot.cached_s > 1000 * again.spot.measured_s
     assert again.cached == ("agreement",)
     fresh = json.loads(path.read_text())["value"]
     target_alone = next(c for p, c in fresh["costs"] if p == [cfg.hierarchy.n_stages - 1])
-    assert dict(target_alone[0]["points"])[1] < again.spot.cached_s / 100  # re-cached as measured now
+    assert dict(target_alone[0]["points"])[1] < again.spot.cached_s / 1000  # re-cached as measured now
 
 
 # (chosen measured, AR measured, off): AR predicted 50 ms, PipeSpec 25 ms. The last case is the
