@@ -4,7 +4,9 @@
 ``app_schema``, the first entry of conf/config.yaml's defaults list): Hydra rejects an unknown key
 or a value of the wrong type while it composes, and the YAML files under conf/ hold only what
 differs from these defaults (a hierarchy's stages, a dataset's name and files). Every setting has
-one name, its path in this tree (``decode.lookahead``, ``dataset.n_prompts``, ``run.mode``).
+one name, its path in this tree (``decode.lookahead``, ``dataset.n_prompts``, ``run.mode``). An
+enumerated setting's type is a ``Choice`` (pipespec_mpi/choices.py, a ``StrEnum``): Hydra refuses
+any other value while composing, and ``validate`` checks a config built in Python from the same type.
 
 The dataclasses are not frozen: Hydra merges the YAML files and the overrides into the schema's
 nodes, which a frozen dataclass makes read-only. Nothing changes a config after ``load_config``;
@@ -12,7 +14,7 @@ derive a variant with ``dataclasses.replace``.
 
 Every component receives only its own node (``HierarchyConfig`` for model loading, ``DecodeConfig``
 for the stage loop, ...). ``load_config`` turns the composed tree into these dataclasses and runs
-``validate``, the rules across fields and the allowed values, raising one ``ConfigError`` that
+``validate``, the rules across fields, raising one ``ConfigError`` that
 names every offending value, so a typo never reaches a rank's model loader.
 
   schema.py  the dataclasses (AppConfig and its nodes) and the allowed values

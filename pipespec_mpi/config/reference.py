@@ -24,6 +24,7 @@ import tokenize
 import typing
 from functools import cache
 
+from pipespec_mpi.choices import choice_type
 from pipespec_mpi.config.schema import AppConfig
 
 _UNFINISHED_WORDS = {"a", "an", "the", "of", "to", "as", "and", "or", "but", "by", "with", "for", "in",
@@ -145,20 +146,22 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def type_text(f: dataclasses.Field) -> str:
-    """The annotation as written in the source."""
-    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+def type_text(f: dataclasses.Field, hint: object = None) -> str:
+    """The annotation as written in the source; an enumerated setting's choices after it."""
+    text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = choice_type(hint)
+    return f"{text}: {' | '.join(kind.values())}" if kind is not None else text
 
 
 def field_table(
     cls: type, prefix: str = "", heads: tuple[str, ...] = ("setting", "type", "default", "meaning")
 ) -> list[str]:
     """One row per field of ``cls``: its path (``prefix`` + name), type, default and meaning."""
-    meaning = field_comments(cls)
+    meaning, hints = field_comments(cls), typing.get_type_hints(cls)
     lines = [row(list(heads)), row(["---"] * len(heads))]
     for f in dataclasses.fields(cls):
         path = prefix + f.name
-        cells = [f"`{path}`", f"`{type_text(f)}`", default_text(f, path), meaning[f.name]]
+        cells = [f"`{path}`", f"`{type_text(f, hints[f.name])}`", default_text(f, path), meaning[f.name]]
         lines.append(row([cell(c) for c in cells]))
     return lines
 

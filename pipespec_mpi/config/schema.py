@@ -6,23 +6,126 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pipespec_mpi.choices import Choice
 from pipespec_mpi.data.config import DatasetConfig
 from pipespec_mpi.errors import UserError
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # what ``python -m pipespec_mpi`` composes
 
-METHODS = ("ar", "sd", "pipespec")
-POLICIES = ("static", "adaptive")
-MODES = ("single", "benchmark")
-TRANSPORTS = ("auto", "mpi", "gloo", "nccl", "strict")
-STAGE_KINDS = ("tiny", "hf", "gguf", "smollm2", "int8_copy", "lowbit_copy", "prompt_lookup", "suffix")
+
+class Method(Choice):
+    ar = "ar"
+    sd = "sd"
+    pipespec = "pipespec"
+
+
+class Policy(Choice):
+    static = "static"
+    adaptive = "adaptive"
+
+
+class Mode(Choice):
+    single = "single"
+    benchmark = "benchmark"
+
+
+class Transport(Choice):
+    auto = "auto"
+    mpi = "mpi"
+    gloo = "gloo"
+    nccl = "nccl"
+    strict = "strict"
+
+
+class StageKind(Choice):
+    tiny = "tiny"
+    hf = "hf"
+    gguf = "gguf"
+    smollm2 = "smollm2"
+    int8_copy = "int8_copy"
+    lowbit_copy = "lowbit_copy"
+    prompt_lookup = "prompt_lookup"
+    suffix = "suffix"
+
+
+class WeightFormat(Choice):  # models/cpu/lowbit.py FORMATS
+    bf16 = "bf16"
+    int8 = "int8"
+    q8 = "q8"
+    q4 = "q4"
+    w8a8 = "w8a8"
+
+
+class DType(Choice):
+    float32 = "float32"
+    float64 = "float64"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Quantization(Choice):
+    none = "none"
+    int8_dynamic = "int8_dynamic"
+    bnb_4bit = "bnb_4bit"
+    bnb_8bit = "bnb_8bit"
+
+
+class TokenizerKind(Choice):
+    bytes = "bytes"
+    hf = "hf"
+    gguf = "gguf"
+    smollm2 = "smollm2"
+
+
+class OnError(Choice):
+    skip = "skip"
+    fail = "fail"
+
+
+class OutputFormat(Choice):
+    jsonl = "jsonl"
+    openai = "openai"
+    parquet = "parquet"
+
+
+class Coupling(Choice):
+    leviathan = "leviathan"
+    gumbel = "gumbel"
+
+
+class EpochsWindow(Choice):
+    auto = "auto"
+    shared = "shared"
+    push = "push"
+    rma = "rma"
+
+
+class CpuBind(Choice):
+    auto = "auto"
+    always = "always"
+    none = "none"
+
+
+class Kernels(Choice):
+    cpu = "cpu"
+    portable = "portable"
+
+
+METHODS = Method.values()
+POLICIES = Policy.values()
+MODES = Mode.values()
+TRANSPORTS = Transport.values()
+STAGE_KINDS = StageKind.values()
 DRAFTER_KINDS = ("prompt_lookup", "suffix")  # model-free: no weights, only stage 0
-WEIGHT_FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")  # models/cpu/lowbit.py FORMATS
-DTYPES = ("float32", "float64", "float16", "bfloat16")
-QUANTIZATIONS = ("none", "int8_dynamic", "bnb_4bit", "bnb_8bit")
-TOKENIZER_KINDS = ("bytes", "hf", "gguf", "smollm2")
-ON_ERROR = ("skip", "fail")
-OUTPUT_FORMATS = ("jsonl", "openai", "parquet")
+WEIGHT_FORMATS = WeightFormat.values()
+DTYPES = DType.values()
+QUANTIZATIONS = Quantization.values()
+TOKENIZER_KINDS = TokenizerKind.values()
+ON_ERROR = OnError.values()
+OUTPUT_FORMATS = OutputFormat.values()
+EPOCHS_WINDOWS = EpochsWindow.values()
+CPU_BINDS = CpuBind.values()
+KERNELS = Kernels.values()
 
 
 class ConfigError(UserError, ValueError):
@@ -74,19 +177,19 @@ class StageConfig:
     """
 
     name: str
-    kind: str
+    kind: StageKind
     model: str | None = None
     gguf_file: str | None = None
-    dtype: str = "float32"
+    dtype: DType = DType.float32
     device: str = "auto"
-    quantization: str = "none"
+    quantization: Quantization = Quantization.none
     n_gpus: int = 1
     threads: int | None = None
     trust_remote_code: bool = False
     layers: int | None = None
     noise: float = 0.0
     copy_of: int | None = None
-    weights: str = "int8"  # lowbit_copy: the stored format (WEIGHT_FORMATS); int8 by measurement
+    weights: WeightFormat = WeightFormat.int8  # lowbit_copy: the stored format; int8 by measurement
     dense_rows: int | None = None  # lowbit_copy: forwards of this many rows or more (prefills, wide
     # batches) run torch's GEMM instead of the kernel; None: by format where the CPU has AMX, else never;
     # 0: never (models/cpu/lowbit.py dense_rows)
@@ -108,7 +211,7 @@ class StageConfig:
 
 @dataclass
 class TokenizerConfig:
-    kind: str = "bytes"
+    kind: TokenizerKind = TokenizerKind.bytes
     path: str | None = None
     gguf_file: str | None = None
     eos_token_id: int | None = None
@@ -160,7 +263,7 @@ class DecodeConfig:
     # runs each way, alternating) it raised the middle stage's forwards with a proposal from 40%
     # to 70% but not the speed (1.67x AR against 1.72x; docs/notebook.md)
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
-    policy: str = "adaptive"  # PipeSpec's decisions: adaptive (speculative/goodput.py: each verifier
+    policy: Policy = Policy.adaptive  # PipeSpec's decisions: adaptive (speculative/goodput.py: each verifier
     # verifies, waits or steps on its own by expected tokens per second, from acceptance, forward
     # costs and delivery rates measured in the run; each model drafter stops where its tokens would
     # more likely be thrown away; the fixed settings above stay as bounds) | static (the fixed
@@ -204,7 +307,8 @@ class SamplingConfig:
     top_p: float = 1.0
     num_samples: int = 1
     seed: int = 0
-    coupling: str = "leviathan"  # leviathan (min(1, p/q) rule) | gumbel (shared noise, reproducible)
+    coupling: Coupling = Coupling.leviathan  # leviathan (min(1, p/q) rule) | gumbel (shared noise,
+    # reproducible)
 
 
 @dataclass
@@ -212,16 +316,12 @@ class TransportConfig:
     """How proposals travel: mpi | gloo | nccl | strict | auto (nccl where the node's ranks have
     GPUs of their own, else mpi). strict: gloo holding the protocol to NCCL's rules (comm/strict.py)."""
 
-    kind: str = "auto"
+    kind: Transport = Transport.auto
     depth: int = 8  # receives posted ahead, and send buffers
     max_msg_tokens: int = 32
     iface: str | None = None  # the rendezvous interface for gloo/nccl (None: picked)
     port: int | None = None  # rank 0's rendezvous port for gloo/nccl (None: a free one; set it where a
     # firewall opens only some ports)
-
-
-EPOCHS_WINDOWS = ("auto", "shared", "push", "rma")
-CPU_BINDS = ("auto", "always", "none")
 
 
 @dataclass
@@ -230,30 +330,30 @@ class RunConfig:
     every prompt with each of ``methods``, A B C A B C ..., after ``warmup_prompts`` uncounted
     ones; writes benchmark.json)."""
 
-    mode: str = "single"
-    methods: tuple[str, ...] = ("ar", "sd", "pipespec")
+    mode: Mode = Mode.single
+    methods: tuple[Method, ...] = (Method.ar, Method.sd, Method.pipespec)
     warmup_prompts: int = 1
     resume: bool = False  # skip (prompt, method, sample) triples already in this run directory
     stall_timeout_s: float = 120.0  # a stage that sees no progress this long aborts the job
     progress: bool = True
     # auto: shared memory when every pipeline is node-local, else push (comm/window.py); rma: the
     # passive-target RMA window (reads wait for a computing owner under MPICH; for comparison)
-    epochs_window: str = "auto"
+    epochs_window: EpochsWindow = EpochsWindow.auto
     # where a node's ranks outnumber its CPUs (and the launcher did not bind them), each
     # pipeline's last stage may get a CPU of its own, the others sharing the rest (topology.py
     # share_cpus): auto in batched phases (measured: faster there, slower at batch 1), always,
     # or none (the OS places the ranks)
-    cpu_bind: str = "auto"
+    cpu_bind: CpuBind = CpuBind.auto
     # a waiting stage sleeps until a neighbour on its node rings it (host/doorbell.py), instead of
     # polling every millisecond; false: poll (for comparison)
     doorbell: bool = True
     # mode=benchmark: every method at each of these batch sizes (phases, the largest first cannot
     # starve the others: a phase ends before the next starts); empty: decode.batch_size alone
     batch_sizes: tuple[int, ...] = ()
-    on_error: str = "skip"  # a bad row (unreadable, empty, too long): skip (errors.jsonl) | fail
+    on_error: OnError = OnError.skip  # a bad row (unreadable, empty, too long): skip (errors.jsonl) | fail
     # results.jsonl always; openai: also results.openai.jsonl (OpenAI batch output lines, every
     # row's custom_id, errors included); parquet: also results.parquet
-    output_format: str = "jsonl"
+    output_format: OutputFormat = OutputFormat.jsonl
     startup_timeout_s: float = 900.0  # each start-up phase (rendezvous, model load, windows)
     progress_every_s: float = 60.0  # a replica's leader logs rows done/left, tokens/s and an ETA
 
@@ -296,9 +396,6 @@ class AutoConfig:
         self.batch_sizes = tuple(self.batch_sizes)
 
 
-KERNELS = ("cpu", "portable")
-
-
 @dataclass
 class DeviceConfig:
     """What computes a model stage's forwards (models/loader.py, the device seam: platform.py)."""
@@ -307,7 +404,7 @@ class DeviceConfig:
     # kernels (float32: bitwise the same on any threads), a stage on a GPU the portable engine;
     # portable: every Llama stage runs the portable engine (models/engine.py: plain torch, B
     # slots in one forward, on any device)
-    kernels: str = "cpu"
+    kernels: Kernels = Kernels.cpu
     # the portable engine's forward under torch.compile (whole: it has no graph break); on a GPU
     # the first forwards of each shape wait for the compiler
     compile: bool = False
@@ -316,7 +413,7 @@ class DeviceConfig:
 @dataclass
 class AppConfig:
     hierarchy: HierarchyConfig
-    method: str = "pipespec"  # ar | sd | pipespec (run.mode=single)
+    method: Method = Method.pipespec  # ar | sd | pipespec (run.mode=single)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)

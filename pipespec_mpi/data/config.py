@@ -5,9 +5,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DATASETS = ("humaneval", "news", "files", "jsonl", "synthetic", "hub")
-FILE_FORMATS = ("auto", "jsonl", "parquet")  # auto: by each file's suffix (.jsonl/.json, .parquet)
-TRUNCATIONS = (None, "left", "right")
+from pipespec_mpi.choices import Choice
+
+
+class DatasetName(Choice):
+    humaneval = "humaneval"
+    news = "news"
+    files = "files"
+    jsonl = "jsonl"
+    synthetic = "synthetic"
+    hub = "hub"
+
+
+class FileFormat(Choice):  # auto: by each file's suffix (.jsonl/.json, .parquet)
+    auto = "auto"
+    jsonl = "jsonl"
+    parquet = "parquet"
+
+
+class Truncation(Choice):  # left: keep the first token and the end; right: keep the start
+    left = "left"
+    right = "right"
+
+
+DATASETS = DatasetName.values()
+FILE_FORMATS = FileFormat.values()
 
 
 @dataclass
@@ -19,9 +41,9 @@ class DatasetConfig:
     an OpenAI batch request: ``custom_id`` and ``body``), an optional ``id`` and its own
     ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``."""
 
-    name: str = "humaneval"
+    name: DatasetName = DatasetName.humaneval
     path: str | None = None  # dataset=files: a .jsonl/.parquet file or a folder of them
-    file_format: str = "auto"
+    file_format: FileFormat = FileFormat.auto
     prompt_field: str = "prompt"  # the row's fields, renamed for files that name them otherwise
     messages_field: str = "messages"
     id_field: str = "id"
@@ -30,7 +52,7 @@ class DatasetConfig:
     seed: int = 0  # the shuffle's (and the synthetic text's) seed
     chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
     max_prompt_tokens: int = 512  # a longer prompt is a bad row, unless ``truncate`` says how to cut
-    truncate: str | None = None  # left: keep the first token and the end; right: keep the start
+    truncate: Truncation | None = None  # left: keep the first token and the end; right: keep the start
     round_rows: int = 4096  # prompts per replica that rank 0 reads and deals out at a time (run/rows.py)
     shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
     shard_count: int = 1
@@ -45,12 +67,8 @@ class DatasetConfig:
 def problems(ds: DatasetConfig) -> list[str]:
     """Every offending value of the ``dataset`` node, named."""
     p = []
-    if ds.name not in DATASETS:
-        p.append(f"dataset.name={ds.name!r}: must be one of {DATASETS}")
     if ds.user_files and not ds.path:
         p.append(f"dataset.path: required for dataset={ds.name}")
-    if ds.file_format not in FILE_FORMATS:
-        p.append(f"dataset.file_format={ds.file_format!r}: must be one of {FILE_FORMATS}")
     if ds.n_prompts is not None and (not isinstance(ds.n_prompts, int) or ds.n_prompts < 1):
         p.append(f"dataset.n_prompts={ds.n_prompts}: must be an integer >= 1, or null for every row")
     if ds.name == "synthetic" and ds.n_prompts is None:
@@ -64,8 +82,6 @@ def problems(ds: DatasetConfig) -> list[str]:
         p.append(f"dataset.round_rows={ds.round_rows}: must be an integer >= 1")
     if ds.max_prompt_tokens < 1:
         p.append(f"dataset.max_prompt_tokens={ds.max_prompt_tokens}: must be >= 1")
-    if ds.truncate not in TRUNCATIONS:
-        p.append(f"dataset.truncate={ds.truncate!r}: must be left, right or null (a long prompt is an error)")
     for name in ("prompt_field", "messages_field", "id_field"):
         if not getattr(ds, name):
             p.append(f"dataset.{name}: must name a field")

@@ -53,13 +53,42 @@ def test_overrides_reach_their_components_by_their_path():
 
 def test_every_bad_value_is_named_at_once():
     with pytest.raises(ConfigError) as err:
-        compose_config(["decode.lookahead=-1", "decode.max_new_tokens=0", "transport.kind=carrier_pigeon",
-                        "dataset.n_prompts=0", "run.cpu_bind=numa"])  # fmt: skip
+        compose_config(["decode.lookahead=-1", "decode.max_new_tokens=0", "transport.depth=0",
+                        "dataset.n_prompts=0", "run.stall_timeout_s=0"])  # fmt: skip
     msg = str(err.value)
-    for needle in ("decode.lookahead=-1", "decode.max_new_tokens=0", "carrier_pigeon", "dataset.n_prompts=0",
-                   "run.cpu_bind='numa'"):  # fmt: skip
+    for needle in ("decode.lookahead=-1", "decode.max_new_tokens=0", "transport.depth=0",
+                   "dataset.n_prompts=0", "run.stall_timeout_s=0"):  # fmt: skip
         assert needle in msg
     assert len(err.value.problems) == 5
+
+
+@pytest.mark.parametrize(
+    "override,allowed",
+    [("transport.kind=carrier_pigeon", "auto, mpi, gloo, nccl, strict"),
+     ("run.cpu_bind=numa", "auto, always, none"), ("run.methods=[ar,beam]", "ar, sd, pipespec"),
+     ("hierarchy.stages.0.dtype=fp8", "float32, float64"),
+     ("dataset.truncate=middle", "left, right"), ("decode.policy=Static", "static, adaptive")],
+)  # fmt: skip
+def test_a_choice_is_taken_from_its_type_while_composing(override, allowed):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config([override])
+    assert allowed in str(err.value.__cause__)
+
+
+def test_choices_of_a_config_built_in_python_are_named_at_once():
+    c = compose_config(["hierarchy=tiny"])
+    c.transport = TransportConfig(kind="carrier_pigeon")
+    c.run = RunConfig(cpu_bind="numa", methods=("ar", "beam"))
+    c.hierarchy.stages = (StageConfig("t", "tiny", dtype="fp8"), *c.hierarchy.stages[1:])
+    assert validate(c) == [
+        "hierarchy.stages[0].dtype='fp8': must be one of float32, float64, float16, bfloat16",
+        "transport.kind='carrier_pigeon': must be one of auto, mpi, gloo, nccl, strict",
+        "run.methods='beam': must be one of ar, sd, pipespec",
+        "run.cpu_bind='numa': must be one of auto, always, none",
+    ]
+    # the values are the enumerations' members, equal to their names as strings
+    c = compose_config(["transport.kind=gloo", "run.methods=[sd]"])
+    assert c.transport.kind == "gloo" and f"{c.transport.kind}" == "gloo" and c.run.methods == ("sd",)
 
 
 def test_sd_needs_a_window():

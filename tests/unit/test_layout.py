@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "pipespec_mpi"
 
 # lowest first; a group imports only from its own group and lower layers
 LAYERS = [
-    {"errors"},
+    {"errors", "choices"},
     {"data", "topology"},
     {"config"},
     {"speculative"},

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 
 import pytest
+from hydra.errors import ConfigCompositionException
 
-from pipespec_mpi.config import ConfigError, SamplingConfig, compose_config
+from pipespec_mpi.config import SamplingConfig, compose_config, validate
 from pipespec_mpi.data.datasets import load_prompts
 from pipespec_mpi.data.requests import BadRow, DatasetError, Request, RowSettings, read_requests
 from pipespec_mpi.models.tokenizer import ByteTokenizer
@@ -126,12 +128,16 @@ def test_user_files_are_all_rows_in_order_unless_asked(tmp_path):
 
 
 def test_dataset_config_errors_are_named():
-    with pytest.raises(ConfigError) as err:
-        compose_config(["hierarchy=tiny", "dataset=files", "dataset.path=x", "dataset.truncate=middle",
-                        "dataset.file_format=csv", "run.on_error=ignore",
-                        "run.output_format=xml"])  # fmt: skip
-    text = str(err.value)
-    for key in ("dataset.truncate", "dataset.file_format", "run.on_error", "run.output_format"):
+    for override in ("dataset.truncate=middle", "dataset.file_format=csv", "run.on_error=ignore",
+                     "run.output_format=xml"):  # fmt: skip
+        with pytest.raises(ConfigCompositionException, match=override):  # refused by its type
+            compose_config(["hierarchy=tiny", "dataset=files", "dataset.path=x", override])
+    cfg = compose_config(["hierarchy=tiny", "dataset=files", "dataset.path=x"])
+    cfg.dataset = replace(cfg.dataset, truncate="middle", file_format="csv", n_prompts=0)
+    cfg.run = replace(cfg.run, on_error="ignore", output_format="xml")
+    text = " ".join(validate(cfg))
+    for key in ("dataset.truncate='middle'", "dataset.file_format='csv'", "dataset.n_prompts=0",
+                "run.on_error='ignore'", "run.output_format='xml'"):  # fmt: skip
         assert key in text
     with pytest.raises(DatasetError, match="no such file"):
         load_prompts(cfg_for("/nonexistent/rows.jsonl").dataset)
