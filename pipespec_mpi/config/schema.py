@@ -279,10 +279,11 @@ class DecodeConfig:
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
     # its share of the replica's prompts, one after another; the forwards of the slots that have
     # one run together (the weights read once for all rows)
-    batch_verify_rows: int | None = 16  # batched: each slot verifies at most rows // B - 1 tokens
-    # (its window too), so that every slot's verification fits one forward of this many rows; a
-    # CPU forward grows with its rows beyond ~8 (compute-bound), so wide verifications of many
-    # slots cost the target more than the proposals save; null: decode.max_verify alone
+    batch_verify_rows: int | None = None  # batched: each slot verifies at most rows // B - 1 tokens
+    # (its window too), so that every slot's verification fits one forward of this many rows (the
+    # adaptive policy shares them by survival); null: decode.max_verify alone, where rows cost
+    # little (a GPU). A CPU forward grows with its rows: the few-core recipe sets 16
+    # (conf/tuning/cpu_few_cores.yaml)
 
     def for_batch(self, batch: int) -> DecodeConfig:
         """These settings for a stage of ``batch`` slots (``batch_verify_rows``)."""

@@ -24,7 +24,7 @@ def test_every_method_at_every_batch_size_equals_ar(tmp_path, hier):
     recs = launch_ok(
         3,
         [f"hierarchy={hier}", "run.mode=benchmark", "run.batch_sizes=[1,2,4]", "decode.lookahead=1",
-         "decode.max_new_tokens=24", "dataset.n_prompts=6", "decode.policy=static"],
+         "decode.max_new_tokens=24", "dataset.n_prompts=6", "decode.policy=static", "tuning=cpu_few_cores"],
         tmp_path,
     )  # fmt: skip
     assert_all_equal_ar(recs, {(m, b) for m in methods for b in sizes})

@@ -159,7 +159,7 @@ def test_batch_sizes_are_checked_with_their_keys():
 
 
 def test_a_batched_stage_verifies_within_its_row_budget():
-    d = DecodeConfig(policy="static")  # max_verify 16, batch_verify_rows 16
+    d = DecodeConfig(policy="static", batch_verify_rows=16)  # max_verify 16
     assert d.for_batch(1) is d
     assert [d.for_batch(b).max_verify for b in (2, 4, 8, 16)] == [7, 3, 1, 1]
     assert DecodeConfig(batch_verify_rows=None, policy="static").for_batch(8).max_verify == 16
@@ -167,3 +167,11 @@ def test_a_batched_stage_verifies_within_its_row_budget():
     assert DecodeConfig().for_batch(8).max_verify == 16  # adaptive: the slots share the rows instead
     with pytest.raises(ConfigError, match="decode.batch_verify_rows=1"):
         compose_config(["decode.batch_verify_rows=1"])
+
+
+def test_a_tuning_recipe_is_a_preset_not_a_default():
+    assert compose_config().decode.batch_verify_rows is None  # the schema's: rows verified as held
+    c = compose_config(["tuning=cpu_few_cores"])
+    assert c.decode == DecodeConfig(batch_verify_rows=16)  # the recipe's one change
+    mine = compose_config(["tuning=cpu_few_cores", "decode.batch_verify_rows=8"])  # an override wins
+    assert mine.decode.batch_verify_rows == 8

@@ -115,6 +115,7 @@ class Scenario:
             max_run_ahead=rng.choice([x for x in (1, 2, 3, 4, 6, 8, 16) if x >= w]),
             max_verify=rng.choice((w, w + 1, max(w, 4), 16)),
             policy="static",  # the "-adaptive" families set their own, below
+            batch_verify_rows=16,  # the "-batch" families' row budget (conf/tuning/cpu_few_cores.yaml)
         )
         fixed = {**(PRESETS[preset] if preset else {}), **fixed}
         k = fixed.get("k", k)
