@@ -121,8 +121,8 @@ class Record:
 def _plain(v: Any) -> Any:
     """A dataclass as nested dicts, sharing every other value instead of copying it: what
     ``dataclasses.asdict`` gives, for ``json.dumps``, which reads it and keeps nothing. (asdict
-    deep-copies every list: a SmolLM2 record's stage timelines made it 7 of the 7.3 ms per record
-    that rank 0's finalize took.)"""
+    deep-copies every list, a record's stage timelines included, which made it most of rank 0's
+    finalize: docs/notebook.md, "Measurements behind the code's choices".)"""
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):

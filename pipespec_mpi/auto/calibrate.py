@@ -51,8 +51,8 @@ class Node:
 @dataclass(frozen=True)
 class SpotCheck:
     """The target's one-token step, timed now, against the cost the cache holds for it: costs
-    measured beside another process (323 ms/token where the target alone takes 25) would
-    otherwise plan every later job on the node."""
+    measured beside another process, many times the target's own, would otherwise plan every
+    later job on the node (docs/notebook.md, "Measurements behind the code's choices")."""
 
     cached_s: float
     measured_s: float
@@ -204,9 +204,9 @@ def calibrate(cfg: AppConfig, prompts: Sequence[Sequence[int]], eos: int | None,
                         "cached" if check.still_off else "agree now",
                     )  # fmt: skip
                 costs = {"costs": [[list(p), [c.to_json() for c in cs]] for p, cs in got.items()]}
-                # Timings that still disagree mean the node was disturbed throughout (a job beside
-                # a busy process timed AR alone at 367 ms where pipelines put the target near 50,
-                # twice): never cached, so the next job measures again.
+                # Timings that still disagree mean the node was disturbed throughout (docs/notebook.md,
+                # "Measurements behind the code's choices"): never cached, so the next job measures
+                # again.
                 if not check.still_off:
                     cache.put("costs", cost_for, costs)
                 phases["costs_s"] = time.perf_counter() - t

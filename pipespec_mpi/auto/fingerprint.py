@@ -42,7 +42,8 @@ def gpu_identity() -> str | None:
 def machine(cores: int, ranks_on_node: int) -> dict[str, object]:
     """The machine as forward costs see it: CPU, ISA, GPU, the cores the node's ranks share and
     how many ranks share them, torch's version, and this package's CPU kernels (a kernel that
-    changes changes the costs: the row attention kernel made the target's steps 5-10% cheaper)."""
+    changes changes the costs, as the row attention kernel did: docs/notebook.md, "Measurements
+    behind the code's choices")."""
     import torch
 
     from pipespec_mpi.models.cpu.flat_linear import kernels_digest

@@ -3,10 +3,10 @@
 One worker process per candidate stage (worker.py), each loading its stage once. For a candidate
 pipeline of k stages, its k workers are timed at once, each with the threads and CPUs a rank of
 that pipeline gets (``run.cpu_bind``), the others running one-token forwards meanwhile: the node
-is shared as the job will share it (on a 2-core EPYC the target's one-token step took 34 ms alone
-and 47-57 ms beside a busy int8 copy; a cost measured alone would promise a speedup the job cannot
-have). Agreement is counted along the target's own greedy output of the calibration prompts, the
-path every accepted token lies on.
+is shared as the job will share it (a step is slower beside a busy neighbour, so a cost measured
+alone would promise a speedup the job cannot have; docs/notebook.md, "Measurements behind the
+code's choices"). Agreement is counted along the target's own greedy output of the calibration
+prompts, the path every accepted token lies on.
 """
 
 from __future__ import annotations
@@ -251,7 +251,8 @@ def measure_costs(
     shortest pipelines first, and the pipelines whose timing of the target disagreed with the
     rest (``disagreeing``) timed once more. A drafter whose one-token step beside the target is
     at least the target's own can never run ahead of it: pipelines with more stages that
-    contain it are not measured (on the 2-core EPYC the bf16 copy took 56 ms to the target's 36)."""
+    contain it are not measured (a bf16 copy can be one: docs/notebook.md, "Measurements behind
+    the code's choices")."""
     out: dict[Pipeline, list[StageCost]] = {}
     too_slow: set[int] = set()
 

@@ -13,8 +13,9 @@ Notation (per candidate pipeline P = (s_0, ..., s_{k-1} = target) of the hierarc
   ms_P           the simulator's ms/token for P: the real stage loop replaying, prompt by
                  prompt, what each drafter proposed at each position of the target's path (a
                  lookup stage: its whole runs, ``run_trace``), i.i.d. a(s_j -> s_j+1) off the
-                 path, each prompt's prefill included (a fifth of a 64-token HumanEval job's
-                 time on the 2-core EPYC: leaving it out overstates every speedup)
+                 path, each prompt's prefill included (a sizeable share of a short job's time:
+                 leaving it out overstates every speedup; docs/notebook.md, "Measurements
+                 behind the code's choices")
 AR is the target alone with threads(1): ``ms_AR``. The plan is the fastest (method, P, window)
 if ms_AR / ms >= 1 + margin, else AR: speculation must be predicted to pay by a margin.
 """

@@ -19,8 +19,8 @@ odd while the owner writes; a reader retries on a change). A read never waits fo
 
 ``EpochWindow`` (pipelines across nodes): ``MPI.Win.Allocate`` with passive-target Lock / Get /
 Unlock. Under MPICH a Get is only served when the owner enters MPI, so a read can wait for the
-owner's current forward; measured here: 0.03 ms against an idle owner, up to a forward's length
-against a busy one. Hence the shared window wherever it applies.
+owner's current forward, up to a forward's length against a busy owner (docs/notebook.md,
+"Measurements behind the code's choices"). Hence the shared window wherever it applies.
 
 ``PushedEpochWindow`` (the default across nodes): the owner pushes every header it publishes, with
 the tokens changed since the last one, to the neighbours that read it, as non-blocking messages;

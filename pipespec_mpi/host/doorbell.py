@@ -2,9 +2,9 @@
 
 A stage with nothing to do used to poll: its whole iteration (window headers, channels, the
 policy, a drafter's lookup) at 20 us doubling to 1 ms after every change. In a batched phase
-that is every slot's iteration: the suffix drafter of a two-stage job over four slots spent
-17-19% of a core polling (its own work: 3%), taken from a target computing on both cores of a
-2-core node, whose four-row forwards then took 29.6 ms against batched AR's 23.2.
+that is every slot's iteration, and the polling took far more of a core than the drafter's own
+work, from a target computing on all of them (docs/notebook.md, "Measurements behind the code's
+choices").
 
 Every rank binds a datagram socket in Linux's abstract namespace (no file; gone with the
 process), named by a token rank 0 draws for the job and the rank. A stage's publish (what both
@@ -68,12 +68,10 @@ class Doorbell:
     def held(self) -> Iterator[None]:
         """Rings inside the block reach each rank once, as it ends. A batched stage's slots
         publish one after another, each ringing its neighbours: a waiting neighbour woke for each
-        and stepped all of its slots again. A two-stage job's suffix drafter over 16 slots woke
-        224 times to rings (and 931 times without one: ``run/drive.py quiet_limit``) in a
-        phase of about 80 target forwards, its 0.07-0.09 of a core taken from the target's
-        two-thread forwards (news, 2-core Xeon with AMX, 2026-12-05). The block is a loop over
-        the slots' bookkeeping (a millisecond or two), never a forward: a ring comes at most that
-        late, and never after the stage's driver sleeps."""
+        and stepped all of its slots again, taking CPU from the target's forwards (docs/notebook.md,
+        "Measurements behind the code's choices"). The block is a loop over the slots' bookkeeping
+        (a millisecond or two), never a forward: a ring comes at most that late, and never after
+        the stage's driver sleeps."""
         self._holding += 1
         try:
             yield

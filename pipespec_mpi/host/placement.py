@@ -41,21 +41,20 @@ def share_cpus(
     A launcher that gave the ranks of a node different CPUs (``srun --cpus-per-task``, ``mpirun
     --bind-to core``) decided: a rank uses all of its own. Ranks that all see the same CPUs split
     them, left to the OS scheduler: a ``light`` stage (its index in the pipeline: a model-free
-    drafter, busy about 1-2% of a core) one thread, every model stage ``len(cpus) // model
-    ranks``; so suffix -> SmolLM2 on 2 cores runs the target on both (its step 18.7 -> 11.8 ms,
-    AR 44.7 -> 63.7 tokens/s and PipeSpec 63.9 -> 83.2 on held-out code; 2-core Xeon with AMX,
-    2026-12-05), where an even split left one core to the drafter. Where the ranks outnumber the
-    CPUs, each pipeline's last stage gets a CPU of its own (the last ones) and the other ranks
-    share the rest, in the phases that bind (``binds``). Needs a CPU left over for the others:
-    with as many last stages as CPUs or more, nobody binds. ``threads`` (the stage's own
-    setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for).
+    drafter, busy a small share of a core) one thread, every model stage ``len(cpus) // model
+    ranks``; so suffix -> SmolLM2 on 2 cores runs the target on both, where an even split left one
+    core to the drafter (docs/notebook.md, "Measurements behind the code's choices"). Where the
+    ranks outnumber the CPUs, each pipeline's last stage gets a CPU of its own (the last ones) and
+    the other ranks share the rest, in the phases that bind (``binds``). Needs a CPU left over for
+    the others: with as many last stages as CPUs or more, nobody binds. ``threads`` (the stage's
+    own setting) overrides the count, never the CPUs (nor the ``cores`` it accounts for).
 
     A last stage computes alone in AR, so there it takes the CPUs its node's other stages leave
     idle (``solo``; at least ``threads``, which sets how the stages of a pipeline share the node:
     ``hierarchy=auto`` sets it on every stage it runs), unbound: AR is the target alone on the
     node's cores, as ``hierarchy=auto`` prices it. On 2 cores the three-stage default's AR ran
-    one thread beside an idle middle stage (77.5 tokens/s against 114.4 on both cores, held-out
-    code, 2-core Xeon with AMX, 2026-12-05), which flattered every speed-up over it."""
+    one thread beside an idle middle stage, which flattered every speed-up over it
+    (docs/notebook.md, "Measurements behind the code's choices")."""
     mine = affinities[rank]
     node = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     if any(affinities[r] != mine for r in node):
@@ -85,12 +84,10 @@ def binds(mode: str, batch_size: int) -> bool:
     """Whether a phase at ``batch_size`` runs on the bound CPUs of ``share_cpus`` (``run.cpu_bind``).
 
     ``auto`` binds the batched phases only. There the last stage computes every slot's rows and
-    is the bottleneck, and the other ranks' drafting, polling and adopting for every slot took
-    about a third of its core: on a 2-core EPYC (three ranks, code and prose, 2026-12-03) bound
-    it ran batch-16 PipeSpec at 0.86-1.21x batched AR against 0.76-0.91x free (3 of 4 alternated
-    pairs ahead), batch 4 at 0.95-1.25x against 0.94-1.12x (2 of 4). At batch 1 the middle stage
-    is the bottleneck, and free it borrows the target's core while the target waits: bound,
-    1.32-1.62x AR against 1.42-1.71x free (3 of 3 pairs behind)."""
+    is the bottleneck, and the other ranks' drafting, polling and adopting for every slot take a
+    share of its core that binding gives back. At batch 1 the middle stage is the bottleneck, and
+    free it borrows the target's core while the target waits, so binding there slows it
+    (docs/notebook.md, "Measurements behind the code's choices")."""
     return mode == "always" or (mode == "auto" and batch_size > 1)
 
 

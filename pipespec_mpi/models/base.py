@@ -42,9 +42,9 @@ class KVScorer:
         # Its linears give a row the same result whatever rows travel with it, up to MAX_ROWS; a
         # wider forward would run torch's GEMM, whose rounding differs, so a verification of 16
         # proposals (17 rows) could have tipped a near-tie away from what one-token steps (AR)
-        # commit. Split into kernel-sized pieces it stays bitwise AR's, and costs less: 17 rows of
-        # the SmolLM2 target in 127 ms as one GEMM forward, about 71 + 22 ms as 16 + 1 kernel rows
-        # (2-core Xeon with AMX, 2026-12-04). Prefill keeps one GEMM forward (AR's too).
+        # commit. Split into kernel-sized pieces it stays bitwise AR's, and costs less
+        # (docs/notebook.md, "Measurements behind the code's choices"). Prefill keeps one GEMM
+        # forward (AR's too).
         self._rows = _kernel_rows(model)
         why = "transformers forward (lean=False)"
         if lean:
@@ -54,11 +54,10 @@ class KVScorer:
         log.info("%s: %s", name, why)
         # Decoding forwards: every row's attention as its own token's (lean.py ``rows_alone``), so
         # each row is bitwise its one-token forward where the linears are row-independent (the
-        # flat kernel). With the row kernel that is also the cheaper attention (SmolLM2 at 300
-        # positions: a 1-row forward 19.6 ms against 20.5 with SDPA, 8 rows 39.9 against 40.7,
-        # four sequences of one row 34.6 against 38.0; 2-core Xeon with AMX, 2026-12-05), so None
-        # turns it on wherever that kernel runs. Without it (a GPU) one SDPA call per row would
-        # buy nothing where the linears round rows differently anyway (torch GEMM): off there.
+        # flat kernel). With the row kernel that is also the cheaper attention (docs/notebook.md,
+        # "Measurements behind the code's choices"), so None turns it on wherever that kernel
+        # runs. Without it (a GPU) one SDPA call per row would buy nothing where the linears round
+        # rows differently anyway (torch GEMM): off there.
         kernel = self._lean is not None and self._lean.rows_kernel is not None
         if exact_rows is None:
             exact_rows = kernel

@@ -1,10 +1,10 @@
 """A KV cache that appends by writing into preallocated buffers and rolls back by moving an index.
 
 transformers' ``DynamicLayer`` appends with ``torch.cat``: every forward copies the layer's whole
-cache, O(context) per step and per layer (about 11 ms of a 70-120 ms SmolLM2 forward at 200
-tokens of context on the CPUs here), and ``crop`` slices. Here each layer owns one buffer
-[batch, kv_heads, capacity, head_dim]; ``update`` copies only the new tokens in and returns views
-of the filled prefix, and ``crop`` moves the length back. The capacity is what the sequence can
+cache, O(context) per step and per layer (docs/notebook.md, "Measurements behind the code's
+choices"), and ``crop`` slices. Here each layer owns one buffer [batch, kv_heads, capacity,
+head_dim]; ``update`` copies only the new tokens in and returns views of the filled prefix, and
+``crop`` moves the length back. The capacity is what the sequence can
 reach (prompt + max_new_tokens + the largest proposal), so a stage's cache is bounded by that; a
 longer sequence grows the buffer by doubling (rare: one copy).
 

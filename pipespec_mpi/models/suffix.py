@@ -1,11 +1,11 @@
 """Suffix drafting (``kind: suffix``): no model, a draft at nearly every step.
 
 Prompt lookup copies what followed the latest earlier occurrence of the last 3 tokens, and has
-nothing to say when those 3 tokens are new (on held-out HumanEval prompts it proposed for 8% of
-the middle stage's forwards). A suffix drafter matches the longest suffix of the text so far
-(up to ``max_match`` tokens, down to one) against three sources, and follows the most frequent
-continuation of all the places it matched, as SuffixDecoding (arXiv 2411.04975) does with suffix
-trees:
+nothing to say when those 3 tokens are new, which on unseen text is most of the time
+(docs/notebook.md, "Measurements behind the code's choices"). A suffix drafter matches the
+longest suffix of the text so far (up to ``max_match`` tokens, down to one) against three
+sources, and follows the most frequent continuation of all the places it matched, as
+SuffixDecoding (arXiv 2411.04975) does with suffix trees:
 
   sequence  the prompt and the tokens committed so far (rolled back with them)
   job       the outputs this replica has finished in this job (``store_tokens`` at most, the
@@ -36,8 +36,8 @@ rules keep the estimates honest, whatever the timing:
   - a cell whose q is below ``min_survival`` is never proposed from, so never observed again: each
     time it cuts a draft its q drifts towards the prior (``UNTRIED`` of a rejection's weight), so
     that it is tried again now and then instead of staying shut for the rest of the job. Without
-    the drift, which cells shut early in a job decided its speed: the same code job ran PipeSpec
-    at 1.40x and 1.08x AR (docs/notebook.md).
+    the drift, which cells shut early in a job decided its speed (docs/notebook.md, "Measurements
+    behind the code's choices").
 
 The index is two hash maps (last token, last two tokens) -> positions whose continuation starts
 there; a match is grown backwards from each of the most recent ``max_candidates`` positions. Each

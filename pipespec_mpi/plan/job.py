@@ -121,9 +121,9 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     decoded AR too (benchmark mode). One further than ``off_factor`` (auto.off_factor) either
     way says so, in plan.json and the log, and drops the cached costs the plan came from (the
     agreement stays: greedy paths do not depend on the node's load), so that the next job
-    measures them again. (AR is checked on its own: costs cached beside a busy process predicted
-    AR at 10x its time and a speculative choice at 13.9x AR, whose own ms/token came out within
-    2x of its prediction.)"""
+    measures them again. (AR is checked on its own: costs cached beside a busy process can put AR
+    far off while the chosen option's own prediction still holds; docs/notebook.md, "Measurements
+    behind the code's choices".)"""
     summary = read_summary(run_dir / SUMMARY)
     chosen, ar_pred = record.plan.chosen, record.plan.ar
     kw: dict = {"measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}

@@ -213,8 +213,8 @@ def load_plan_config(path: str | Path) -> PlanInputs:
 def inputs_from_run(run_dir: str | Path) -> PlanInputs:
     """Profiles, adjacent-pair rates and latencies measured in a run (its PipeSpec records if
     any, else SD, else AR); AR's target from its own records where the run has them (batch 1
-    where it has those): on two cores the three-stage default's target stepped in 10.5 ms in
-    PipeSpec and 7.2 ms in AR, on both cores (held-out code, Xeon with AMX, 2026-12-05)."""
+    where it has those): AR's target computes alone on the node's cores, so it steps faster than
+    the pipeline's (docs/notebook.md, "Measurements behind the code's choices")."""
     recs = load_records(run_dir)
     by: dict[str, list[Record]] = {}
     for r in recs:

@@ -26,16 +26,15 @@ class Bell(Protocol):
 
 # How long a waiting stage whose bell covers it sleeps at most without a ring: a safety net only
 # (a ring is never lost, host/doorbell.py), short enough that a missed one costs a fraction of a
-# forward, long enough that the wake-ups cost nothing (a four-slot step: about 0.1 ms). Also the
-# longest backoff sleep at a collective whose members ring: polled every millisecond, the
-# suffix drafter's 16 slots waiting at the deal through a batched AR phase (it has no part in AR
-# jobs) took 8.6% of a core from a target computing on both cores of a 2-core node.
+# forward, long enough that the wake-ups cost next to nothing. Also the longest backoff sleep at a
+# collective whose members ring: polled every millisecond, a many-slot drafter waiting through a
+# phase it has no part in took CPU from the target (docs/notebook.md, "Measurements behind the
+# code's choices").
 QUIET_S = 0.01
 # ... and where a waiting step costs more (a step over many slots), longer, up to QUIET_MAX_S, so
-# that the safety net's wake-ups take at most QUIET_SHARE of a core: a two-stage job's suffix
-# drafter over 16 slots woke 816 times in one batch-16 phase at the 10 ms limit, for 931 waits
-# without a ring and 224 with one, each wake a step of all 16 slots (news, 2-core Xeon with AMX,
-# 2026-12-05), inside the target's two-thread forwards.
+# that the safety net's wake-ups take at most QUIET_SHARE of a core: at a fixed limit a many-slot
+# drafter woke to it more often than to rings (docs/notebook.md, "Measurements behind the code's
+# choices").
 QUIET_MAX_S = 0.1
 QUIET_SHARE = 0.01
 

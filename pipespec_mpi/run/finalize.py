@@ -48,8 +48,9 @@ def sorted_lines(
     100,000-record job's results are not held at once). Each record is serialized once: a
     spilled line carries its key (JSON, then a tab: ``json.dumps`` escapes every tab inside a
     record) and is merged by it without parsing the record again (that second parse and
-    serialization were 40% of a large job's finalize). The spilled files are removed when the
-    merge ends. ``key`` must return JSON values that compare as they do after a round trip."""
+    serialization were a large share of a large job's finalize: docs/notebook.md, "Measurements
+    behind the code's choices"). The spilled files are removed when the merge ends. ``key`` must
+    return JSON values that compare as they do after a round trip."""
     runs: list[Path] = []
     buf: list[tuple[Any, str]] = []
 

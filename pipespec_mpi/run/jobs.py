@@ -83,9 +83,8 @@ class Job:
         """The suffix drafter's job store this job drafts from and joins: one per method and batch
         size, and the warm-ups' own. A benchmark decodes the same prompts in its warm-up and in
         every phase; drafting a prompt from its own output of another phase made it look fast
-        (the warm-up prompt: 11.5 ms/token with 36 tokens from the store, the others 1-14; a batch-4
-        phase after the batch-1 one: 3.54 tokens accepted per store proposal against 0.62). A job
-        that decodes each prompt once (run.mode=single) has one store, as before."""
+        (docs/notebook.md, "Measurements behind the code's choices"). A job that decodes each
+        prompt once (run.mode=single) has one store, as before."""
         return f"{self.method}:warmup" if self.warmup else f"{self.method}:b{self.batch_size}"
 
 

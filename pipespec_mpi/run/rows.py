@@ -12,10 +12,9 @@ it out a round at a time, so that no rank ever holds the whole dataset.
    replica decodes its share of a round, then waits for the others (``Runner``), so the ranks
    hold one round's prompts at a time.
 
-Measured (AMD EPYC, 2 cores, 2026-12-02, commit 1b80a96, tiny2 hierarchy, AR, 2 tokens per row,
-bench/dataset_rss.py): whole jobs peaked at 418 / 396 MB (rank 0 / rank 1, finalize included)
-for 10,000 rows and 429 / 411 MB for 100,000. Before, rank 0 grew by about 1.4 KB per row (it
-held every tokenized row) and its finalize held every record.
+So a job's peak memory stays nearly flat in its number of rows, where rank 0 used to hold every
+tokenized row and every record (bench/dataset_rss.py; docs/notebook.md, "Measurements behind the
+code's choices").
 """
 
 from __future__ import annotations

@@ -37,10 +37,9 @@ class LatencyProfile:
     max_proposal: int = StageConfig.max_proposal  # as a prompt-lookup stage proposes
     lookup_hit_rate: float = 1.0
     lookup_chain_rate: float | None = None
-    # a batched forward over m sequences costs forward_s(all their tokens) + (m - 1) * this
-    # (attention, RoPE and the KV cache per sequence: ~3 ms per extra sequence for SmolLM2 on the
-    # 2-core Xeon-AMX of 2026-12-01, from its batched AR steps: 1 sequence 58 ms, 8 sequences of
-    # one token 96 ms, where 8 rows of one sequence cost about 1.25x a step)
+    # a batched forward over m sequences costs forward_s(all their tokens) + (m - 1) * this:
+    # attention, RoPE and the KV cache are per sequence, so m sequences cost more than m rows of
+    # one (docs/notebook.md, "Measurements behind the code's choices")
     per_sequence_s: float = 0.0
 
     def __post_init__(self) -> None:

@@ -7,9 +7,9 @@ Notation (one stage, its upstream pair u -> s and its downstream pair s -> d):
            1 is the correction or the bonus token, always committed); E(0) = 1 is an own step
   c(k)     seconds of a forward of s verifying k proposals (k + 1 rows); c(0) an own step
   g        seconds per proposal token arriving from u while s computes (its delivery rate)
-  g_w      the same while s waits: on shared cores u then has more of them (on the 2-core EPYC
-           the middle stage's int8 steps run about as fast as the target's, 76 ms, while both
-           compute), so waiting can pay where the rate measured beside a forward says it cannot
+  g_w      the same while s waits: on shared cores u then has more of them, so waiting can pay
+           where the rate measured beside a forward says it cannot (docs/notebook.md,
+           "Measurements behind the code's choices")
   q_d      the chance that a token s commits d tokens ahead of d's committed length is kept
            by d (not thrown away by a rollback): the drafter side's survival by distance
 
@@ -161,19 +161,17 @@ class RowLine(NamedTuple):
 class RowCost:
     """A batched forward's seconds fitted as a ``RowLine`` by least squares over the forwards run,
     each weighted (1 - ``rate``) per forward since (so the line follows a node whose speed drifts).
-    On CPUs a row is arithmetic: with the target on both cores of the 2-core Xeon with AMX its
-    batched forwards took 16 ms for one row, 29 ms for four and 43-53 ms for 8-14 (held-out code,
-    2026-12-05), so a verification row cost about half a slot's share of a four-slot forward; on a
-    memory-bound GPU a row is nearly free and every row pays.
+    On CPUs a row is arithmetic, so a verification row is far from free (docs/notebook.md,
+    "Measurements behind the code's choices"); on a memory-bound GPU a row is nearly free and
+    every row pays.
 
     A slot and a verification row are fitted apart: where a slot costs more than a row (tiny
     models: a slot is a sequence's bookkeeping, a row nearly free), one line in all rows measured
     from steps alone (rows = slots) gives a verification row a slot's price, so no row pays and no
-    verification runs to show otherwise (in a 4-slot sampling job on the tiny models the middle
-    stage cut 14 verifications that way and ran 25, with the fit below cut 1 and ran 29). The
-    per-row cost is known only from forwards whose verification rows varied apart from their
-    slots; until then, and again once a long run of forwards without verifications has faded them,
-    ``line`` is None and every row pays, so the rows keep being measured."""
+    verification runs to show otherwise (docs/notebook.md, "Measurements behind the code's
+    choices"). The per-row cost is known only from forwards whose verification rows varied apart
+    from their slots; until then, and again once a long run of forwards without verifications has
+    faded them, ``line`` is None and every row pays, so the rows keep being measured."""
 
     def __init__(self, rate: float = 0.05) -> None:
         self.rate = rate

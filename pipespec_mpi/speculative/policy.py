@@ -92,8 +92,8 @@ def adaptive(v: View, cfg: DecodeConfig) -> bool:
 def survival_room(v: View, cfg: DecodeConfig) -> int:
     """Adaptive: how many more tokens a model drafter drafts before its tokens would more likely be
     thrown away than kept (goodput.draft_reach); unbounded for the last stage, a static one and a
-    model-free drafter (its drafts cost microseconds, and it cuts its own by survival: on the
-    2-core EPYC holding the suffix drafter back took PipeSpec from 1.93x to 1.83x AR on code)."""
+    model-free drafter (its drafts cost microseconds, and it cuts its own by survival; holding it
+    back slowed PipeSpec: docs/notebook.md, "Measurements behind the code's choices")."""
     if v.last or v.lookup or not adaptive(v, cfg) or cfg.draft_survival <= 0:
         return cfg.max_new_tokens
     reach = draft_reach(v.estimates.survival, cfg.draft_survival, cfg.max_run_ahead)
@@ -103,13 +103,12 @@ def survival_room(v: View, cfg: DecodeConfig) -> int:
 def answer_due(v: View, est: Estimates) -> bool:
     """Adaptive, nothing pending: a model-free upstream has not yet answered our tokens as they
     are (a proposal, or its idle flag about them), and the wait for it is still shorter than an
-    own step. Its answer takes a loop iteration (~1 ms: the time it takes to notice our new
-    tokens), an own step a forward (~30 ms), and a proposal is verified for little more than an
-    own step's cost, so the delivery rates ``choose`` weighs (g, g_w: tokens per second while
-    this stage computes or waits) do not describe it: such a drafter proposes once per token of
-    ours, whatever the rate. On 16 code prompts (2-core Xeon with AMX) the middle stage stepped
-    on its own in about half of its forwards, most of them within a millisecond of the
-    drafter's proposal for the same position (docs/notebook.md)."""
+    own step. Its answer takes a loop iteration (the time it takes to notice our new tokens), an
+    own step a whole forward, and a proposal is verified for little more than an own step's cost,
+    so the delivery rates ``choose`` weighs (g, g_w: tokens per second while this stage computes
+    or waits) do not describe it: such a drafter proposes once per token of ours, whatever the
+    rate. Without this wait a verifier often stepped on its own just before the proposal for the
+    same position arrived (docs/notebook.md, "Measurements behind the code's choices")."""
     if v.pending or not v.upstream_free or v.upstream_idle or v.joining:
         return False
     return not est.waited_an_own_step(v.now)

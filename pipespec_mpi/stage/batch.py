@@ -14,12 +14,11 @@ Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` woul
 when it happens changes, which the protocol already tolerates.
 
 Under ``decode.policy=adaptive`` a slot never waits for more proposals while the others' forward
-runs (``joining``): a row costs a fraction of a forward here (batched AR on the 2-core EPYC: 40 ms
-for one row, 46 ms for four, 119 ms for sixteen), and a slot that waits misses this forward and
-joins the next one anyway; stepping now and verifying in the next forward what arrived meanwhile
-commits at least as much (the step's token is the first proposal's, or the proposal would have been
-rejected there). Waiting, a 4-slot target's forwards held 2.9-3.3 of its slots, joining 3.3-3.5,
-and PipeSpec went from 0.97-0.99x to 1.02-1.12x batched AR (16 code prompts, docs/notebook.md).
+runs (``joining``): a row costs a fraction of a forward, and a slot that waits misses this
+forward and joins the next one anyway; stepping now and verifying in the next forward what arrived
+meanwhile commits at least as much (the step's token is the first proposal's, or the proposal
+would have been rejected there). Joining keeps more slots in each forward (docs/notebook.md,
+"Measurements behind the code's choices").
 
 Under ``decode.policy=adaptive`` the slots' verifications share one budget of
 ``decode.batch_verify_rows`` rows per batched forward, given to the (slot, position) pairs most
@@ -28,9 +27,9 @@ stage fits its batched forwards' seconds as a line in their slots and verificati
 (``goodput.RowCost``), and a pair is taken only while it raises the forward's expected tokens
 per second (its survival against the row's cost). A slot left with no rows takes a one-token
 step of its own this time and keeps its proposals (the static policy caps each slot at
-rows // B - 1). With the target on both cores of a 2-core Xeon, the budget alone let four slots
-verify up to 7 proposals each in forwards of 16-53 ms, against 22 ms for batched AR's four rows:
-PipeSpec ran at 0.88x batched AR at B=4 on held-out code.
+rows // B - 1). On CPUs, where each row is arithmetic, the budget alone let rows that did not
+pay make batched PipeSpec slower than batched AR (docs/notebook.md, "Measurements behind the
+code's choices").
 """
 
 from __future__ import annotations

@@ -51,11 +51,10 @@ def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
 
 def sleep_at_barrier(comm) -> None:
     """A barrier waited for by sleeping, without a deadline (a start-up phase's watchdog or the
-    job's end bounds it): while the other ranks load their models (waiting in MPICH's allgather,
-    rank 0 of a three-stage job spun 85 s of CPU in its first 100 s, a core taken from the
-    ranks loading), while rank 0 measures (a calibration with two ranks spinning in MPICH's
-    bcast took 133 s instead of 37, and timed the target's step at 263 ms instead of 34), and on
-    a spare rank until the job ends (hours, maybe)."""
+    job's end bounds it): while the other ranks load their models, while rank 0 measures, and on a
+    spare rank until the job ends (hours, maybe). MPICH's collectives spin while they wait, which
+    takes cores from the ranks loading and slows and skews rank 0's timings (docs/notebook.md,
+    "Measurements behind the code's choices")."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.05)

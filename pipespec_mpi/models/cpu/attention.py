@@ -3,7 +3,7 @@
 transformers' ``sdpa`` attention hands torch grouped-query heads natively (``enable_gqa``) only
 when there is no mask; a verification forward over k > 1 tokens after a cache has a mask, so it
 copies every layer's keys and values ``num_key_value_groups`` times (``repeat_kv``): O(context)
-per layer and forward, about 3-4 ms of a SmolLM2 verification at 200 tokens of context. torch's
+per layer and forward (docs/notebook.md, "Measurements behind the code's choices"). torch's
 SDPA broadcasts the groups itself with a mask as well, with the same result (checked bitwise in
 tests/unit/test_kv_cache.py), so this registers ``sdpa_gqa``: transformers' sdpa with
 ``enable_gqa`` always on. Masks are built exactly as for ``sdpa``.
@@ -71,10 +71,9 @@ def use_sdpa_gqa(model: torch.nn.Module) -> bool:
 def rows_kernel(isa: str | None = None) -> Callable | None:
     """``rows_attention(q [1, H, R, D], keys, values, bounds, scale) -> [1, R, H * D]`` compiled
     for this CPU (``kernels/attention.cpp``: float32, each row alone), or None where it cannot be
-    built. Against one SDPA call per sequence (SmolLM2's 9 query and 3 key heads, 300 positions
-    of context, one thread, 2-core Xeon with AMX, 2026-12-05): four sequences of one row 78 us
-    against 160; eight rows of one sequence 113 us against 86 in one masked call, or ~320 in the
-    eight one-row calls that make them exact without it. ``isa``: a build other than the widest."""
+    built. One call covers a batch's sequences, and costs less than one SDPA call per sequence, or
+    per row where rows must be exact (docs/notebook.md, "Measurements behind the code's choices").
+    ``isa``: a build other than the widest."""
     from pipespec_mpi.models.cpu.flat_linear import build, kernel_source
 
     ext = build("pipespec_rows_attention_v1", kernel_source("attention.cpp"), ["rows_attention"], isa)
@@ -89,8 +88,8 @@ def attend_rows_alone(
     makes: no mask, the keys up to its own position. SDPA's kernels round a row differently with
     other rows beside it (1e-7 on the tiny test models), which could tip a near-tie between two
     logits of a verification away from what one-token steps (AR) commit; one call per row cannot.
-    It costs the SmolLM2 target 0-1 ms at 2-4 rows, 3-6 ms at 8 (a 41-44 ms forward), 2-core Xeon
-    with AMX, 2026-12-04."""
+    Its cost is a small share of a forward (docs/notebook.md, "Measurements behind the code's
+    choices")."""
     t, past = q.shape[2], k.shape[2] - q.shape[2]
     rows = [
         sdpa(q[:, :, i : i + 1], k[:, :, : past + i + 1], v[:, :, : past + i + 1], attn_mask=None,

@@ -1,12 +1,13 @@
 """Flat-cost verification on CPUs: a small-M float32 matrix multiply that reads each weight once.
 
 A one-token decode step is memory-bound: it streams every weight once. PyTorch's CPU GEMM for
-2..16 rows costs 1.5-3.5x the one-row GEMV on the machines measured here (packing, blocking for
-large M), which makes verifying k draft tokens cost up to 2x a plain step and erases most of
-speculative decoding's gain. ``small_m_linear`` computes y[M, N] = x[M, K] @ w[N, K]^T for
-1..16 rows: two weight rows per pass, up to GROUP rows of x against them (AVX-512 or AVX2 FMA,
-chosen by the CPU), and software prefetch of the rows a few passes ahead, so the weights are
-streamed from memory once for all rows at close to the one-row speed.
+2..16 rows costs well over the one-row GEMV (packing, blocking for large M), which makes
+verifying k draft tokens cost much more than a plain step and erases most of speculative
+decoding's gain (docs/notebook.md, "Measurements behind the code's choices"). ``small_m_linear``
+computes y[M, N] = x[M, K] @ w[N, K]^T for 1..16 rows: two weight rows per pass, up to GROUP rows
+of x against them (AVX-512 or AVX2 FMA, chosen by the CPU), and software prefetch of the rows a
+few passes ahead, so the weights are streamed from memory once for all rows at close to the
+one-row speed.
 
 Every output element is the same dot product accumulated in the same order whatever M is, so a
 row's result does not depend on how many rows travel with it: a one-token step (AR) and a k-token
@@ -14,9 +15,9 @@ verification compute bitwise the same linear layers for the same inputs. A layer
 weights are exactly llama.cpp blocks (``lowbit.read_exact_blocks``: a model dequantised from a GGUF,
 as the embedded SmolLM2 is) reads the blocks instead in these forwards, through the low-bit
 kernel that computes bitwise the same dot products: the same outputs from about a quarter of the
-bytes (SmolLM2-135M's one-token step 52 -> 24 ms on a 2-core Xeon with AMX, 2026-12-04). A
-prompt's prefill keeps torch's GEMM on the float32 weights (the same for every method), and
-``KVScorer`` runs a wider decoding forward as pieces of MAX_ROWS rows.
+bytes, which a memory-bound step reads faster. A prompt's prefill keeps torch's GEMM on the
+float32 weights (the same for every method), and ``KVScorer`` runs a wider decoding forward as
+pieces of MAX_ROWS rows.
 The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cached in
 ~/.cache/torch_extensions); where it cannot be, the model keeps torch's matmul and a warning says so.
 """
@@ -64,9 +65,9 @@ _EXT: dict[str, object] = {}  # name_ISA -> compiled module, or None where it fa
 _ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx512vl", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 # at::parallel_for splits a kernel's work over the rank's torch threads only where the kernel is
 # compiled with OpenMP: without -fopenmp its `#pragma omp parallel` is ignored and every kernel
-# ran on one thread whatever `hierarchy.stages[i].threads` said (the target's one-token step
-# 18.2 ms on one thread, 18.3 ms on two; 2-core Xeon with AMX, 2026-12-05). Linked with -fopenmp,
-# the extension uses the libgomp.so.1 torch has already loaded (same soname).
+# ran on one thread whatever `hierarchy.stages[i].threads` said (docs/notebook.md, "Measurements
+# behind the code's choices"). Linked with -fopenmp, the extension uses the libgomp.so.1 torch has
+# already loaded (same soname).
 _OPENMP_FLAGS = ("-fopenmp",)  # a tuple: torch appends its own -L/-l flags to the list it is given
 
 

@@ -17,12 +17,8 @@ once: a cos/sin table from the rotary module itself, checked bitwise against it 
 every verification length (the rotary module is called per forward otherwise), and the position
 indices the causal mask is built from, exactly as ``sdpa_mask`` builds it and only where it does.
 
-Measured here (2-core AMD EPYC, AVX-512), SmolLM2-135M float32 with FlatLinear and sdpa_gqa, one
-thread, ~200 tokens of context, medians of 21 interleaved rounds: a 1-token forward 37.5 -> 33.3
-ms, a 9-token forward 54.5 -> 48.9 ms. With every linear stubbed out, what is left per forward
-is 8.1 -> 4.9 ms (1 token) and 12.0 -> 9.0 ms (9 tokens); of that, the SDPA kernel, which both
-paths call identically over K/V the weight stream has evicted from cache, takes ~2.5 and ~5.8
-ms, so the framework's own share went from ~5.6 to 2.3 ms and from ~6.2 to 3.3 ms.
+For a small model the framework's per-layer overhead is a noticeable share of a CPU forward, and
+this loop removes most of it (docs/notebook.md, "Measurements behind the code's choices").
 
 ``rows_alone`` (a stage's ``exact_rows``) departs from transformers on purpose: every decoding
 row's attention computed alone (the row attention kernel, models/cpu/attention.py), so that a row's

@@ -28,13 +28,13 @@ gguf-py (a multiply, then an add; no fused multiply-add), so such a copy compute
 float32 model computes, from a quarter of the bytes. On other models q4 is a real quantisation.
 
 Many rows (a prompt's prefill, a wide batched forward) are compute-bound, and there the kernel's
-cost grows with the rows (16 rows: ~2x one row; a 150-token prefill of the int8 SmolLM2 copy took
-0.38 s against the float32 target's 0.32 s on a 2-core Xeon with AMX, 2026-12-04). From
-``dense_rows`` rows a layer hands the product to torch's GEMM instead (``dense_linear``; oneDNN
-runs it on AMX tiles where the CPU has them): w8a8 as an int8 x int8 -> int32 product, bitwise
-the kernel's result; the other formats with bfloat16 activations and weights (int8 weights are
-exact in bfloat16, their scale applied after the sum) and a bfloat16 result, a drafter's
-numerics only (relative error ~3e-3). Measured there: the int8 copy's prefill 0.38 -> 0.16 s.
+cost grows with the rows, until a low-bit copy's prefill costs more than the float32 model's
+(docs/notebook.md, "Measurements behind the code's choices"). From ``dense_rows`` rows a layer
+hands the product to torch's GEMM instead (``dense_linear``; oneDNN runs it on AMX tiles where
+the CPU has them): w8a8 as an int8 x int8 -> int32 product, bitwise the kernel's result; the
+other formats with bfloat16 activations and weights (int8 weights are exact in bfloat16, their
+scale applied after the sum) and a bfloat16 result, a drafter's numerics only (relative error
+~3e-3).
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ FORMATS = ("bf16", "int8", "q8", "q4", "w8a8")
 
 _FUNCTIONS = ["bf16_linear", "int8_linear", "q8_linear", "q4_linear", "w8a8_linear"]
 # Rows from which ``dense_linear`` beats the kernel on a CPU with AMX; below them widening the
-# weights per call costs more than the GEMM saves (bench/dense_rows.py, the SmolLM2 copy's forward,
-# one thread, 2-core Xeon with AMX, 2026-12-04, ms kernel / dense: int8 24 rows 82 / 86, 32 rows
-# 105 / 94, 150 rows 417 / 183; w8a8 32 rows 62 / 72, 48 rows 87 / 84, 150 rows 238 / 189; bf16
-# 8 rows 50 / 60, 16 rows 74 / 66; q8 64 rows 203 / 201; q4 64 rows 229 / 288, 150 rows 534 / 337).
+# weights per call costs more than the GEMM saves (bench/dense_rows.py; docs/notebook.md,
+# "Measurements behind the code's choices").
 DENSE_ROWS = {"bf16": 16, "int8": 32, "q8": 64, "q4": 128, "w8a8": 48}
 
 
