@@ -259,21 +259,19 @@ class DecodeConfig:
     max_verify: int = 16  # most proposal tokens verified in one forward
     wait_for_drafter: bool = False  # static PipeSpec, lookahead 0: a verifier fed by a model-free
     # drafter waits for its proposal (or its word that it has none) instead of stepping on its own
-    # (the adaptive policy always does: policy.answer_due). Off: on a 2-core AVX2 EPYC (code, 4
-    # runs each way, alternating) it raised the middle stage's forwards with a proposal from 40%
-    # to 70% but not the speed (1.67x AR against 1.72x; docs/notebook.md)
+    # (the adaptive policy always does: policy.answer_due). Off: fuller forwards, not faster ones
+    # (docs/notebook.md, "Measurements behind the code's choices")
     sd_window: int | None = 4  # synchronous SD's fixed window; None: the lookahead
     policy: Policy = Policy.adaptive  # PipeSpec's decisions: adaptive (speculative/goodput.py: each verifier
     # verifies, waits or steps on its own by expected tokens per second, from acceptance, forward
     # costs and delivery rates measured in the run; each model drafter stops where its tokens would
     # more likely be thrown away; the fixed settings above stay as bounds) | static (the fixed
-    # lookahead and bounds, the paper's rule). SD keeps its fixed window under either. Adaptive by
-    # measurement: on the 2-core EPYC (held-out prompts, 2 alternating runs) 1.95x / 1.48x AR on
-    # code / news against 1.90x / 1.42x, and beside a busy process 1.37x / 1.12x against 1.20x / 0.99x
+    # lookahead and bounds, the paper's rule). SD keeps its fixed window under either. Adaptive:
+    # faster on held-out prompts, most beside a busy process (docs/notebook.md, as above)
     draft_survival: float = 0.0  # adaptive: a model stage drafts d tokens ahead of its verifier only
     # while the estimated chance that such a token is kept is at least this (0: up to max_run_ahead).
-    # Off by default: in the paper's setting (a GPU per stage, simulated) 0.5 cost 2.31x -> 2.10x AR
-    # for 1B -> 8B -> 70B, and on the 2-core EPYC the int8 middle stage (kept 96-98%) never hit it
+    # Off by default: it slowed the paper's setting (simulated) and never bound a near-agreeing copy
+    # (docs/notebook.md, as above)
     accept_prior: float = 0.6  # adaptive: each draft position's acceptance before it was observed
     estimate_rate: float = 0.1  # adaptive: the weight of a new observation in every running estimate
     batch_size: int = 1  # sequences in flight per stage (slots, stage/batch.py): each slot decodes
@@ -342,7 +340,7 @@ class RunConfig:
     epochs_window: EpochsWindow = EpochsWindow.auto
     # where a node's ranks outnumber its CPUs (and the launcher did not bind them), each
     # pipeline's last stage may get a CPU of its own, the others sharing the rest (topology.py
-    # share_cpus): auto in batched phases (measured: faster there, slower at batch 1), always,
+    # share_cpus): auto in batched phases (faster there, slower at batch 1), always,
     # or none (the OS places the ranks)
     cpu_bind: CpuBind = CpuBind.auto
     # a waiting stage sleeps until a neighbour on its node rings it (host/doorbell.py), instead of
@@ -370,8 +368,8 @@ class AutoConfig:
     on the same kind of node plans without measuring again."""
 
     replicas: int = 1  # pipelines the job runs; each may use up to world_size / replicas ranks
-    calibration_prompts: int = 4  # the job's first prompts, decoded by the target alone (2 of 48
-    # tokens mispredicted a HumanEval run by 25%, 8 of 64 by 10%: lookup hits vary by prompt)
+    calibration_prompts: int = 4  # the job's first prompts, decoded by the target alone (a drafter's
+    # hits vary by prompt: too few tokens mispredict a run)
     calibration_tokens: int = 64  # tokens of each (agreement is counted along them)
     calibration_path: str | None = None  # a JSONL file of prompts to calibrate on instead (one
     # row per line, the first calibration_prompts of them, as dataset=files reads it)
@@ -382,11 +380,11 @@ class AutoConfig:
     cache_dir: str | None = None  # None: $PIPESPEC_CACHE_DIR or ~/.cache/pipespec_mpi
     force: bool = False  # measure again even when the cache has this machine and prompt set
     # how far apart (a factor, either way) the target's step timed at start and its cached cost
-    # may be before the cached costs are measured again (one timing of the same thing: 1.5x)
+    # may be before the cached costs are measured again (one timing of the same thing varies so)
     stale_factor: float = 1.5
     # how far a run's ms/token may be from the prediction before plan.json and the log say so and
-    # the cached costs are dropped (a model's prediction: tiny models, all loop overhead, ran at
-    # 1.7x theirs; SmolLM2 within 25%; costs cached beside a busy process at 12x)
+    # the cached costs are dropped (tiny models, all loop overhead, miss by up to this; costs
+    # cached beside a busy process by far more)
     off_factor: float = 2.0
     # batch sizes the plan may choose from (decode.batch_size): the highest predicted throughput,
     # speculation only where it beats the best batched AR by ``margin``; (1,): one sequence at a time
