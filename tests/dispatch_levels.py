@@ -1,5 +1,5 @@
 """The CPU dispatch levels this machine can run, as environments: what another machine's torch,
-MKL, oneDNN and kernels would compute with (tests/unit/test_dispatch_levels.py, tests/mpi)."""
+MKL, oneDNN and kernels would compute with (tests/unit/host/test_dispatch_levels.py, tests/mpi)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ Formulas (as given by the paper):
 Theorem 1: for 0 < alpha < 1 and gamma > 0, E[N] > 1 (PipeSpec is never slower than AR in
 target steps). It is immediate: E[N] = 1 + rho * (alpha + ... + alpha^gamma) with rho > 0.
 
-Limits (checked by tests/unit/test_analytical.py):
+Limits (checked by tests/unit/analysis/test_analytical.py):
 
   alpha -> 0   S -> 1, rho -> 0, E[N] -> 1; R_SD -> 1 / (gamma/c + 1) < 1 (SD loses to AR)
   alpha -> 1   S -> gamma + 1, rho -> 1, E[N] -> gamma + 1; R_SD -> (gamma+1) / (gamma/c + 1)

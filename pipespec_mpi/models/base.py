@@ -68,7 +68,8 @@ class KVScorer:
         """Its logits are bitwise the same on any number of threads: the lean forward with the
         row kernel's attention for every row (prefill too) and every linear layer on the CPU
         kernels (models/cpu/flat_linear.py, lowbit.py). Elsewhere (torch's GEMM and SDPA, a GPU)
-        they may differ in the last bit with the thread count (tests/unit/test_kernel_threads.py)."""
+        they may differ in the last bit with the thread count
+        (tests/unit/models/cpu/test_kernel_threads.py)."""
         if self._lean is None or self._lean.rows_kernel is None or not self.exact_rows:
             return False
         from pipespec_mpi.models.cpu.flat_linear import FlatLinear

@@ -6,7 +6,7 @@ slots of C positions (``KVCache``; rolling a slot back is moving its host-side l
 the device); and ``forward``, which runs B slots' new tokens, padded to T rows each, as one
 forward: every row at its own position, attending its own slot's cache up to itself. Nothing in
 ``forward`` or ``greedy_accept`` reads a tensor on the host or creates one off the weights' device
-(tests/unit/test_engine.py runs them on torch's ``meta`` device, where either would raise), and
+(tests/unit/models/test_engine.py runs them on torch's ``meta`` device, where either would raise), and
 both compile with ``torch.compile(fullgraph=True)``: on a GPU they are ready for CUDA graphs.
 The host boundary is ``Engine.run``: one tensor of token ids in, logits out.
 

@@ -33,7 +33,7 @@ def ar(tmp_path_factory):
 def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(tmp_path, ar):
     # auto.off_factor: the tiny models (all loop overhead) may run further from the prediction than
     # the default allows, which would drop the costs this case means to reuse (the rule itself:
-    # tests/unit/test_auto_trust.py)
+    # tests/unit/auto/test_calibrate.py)
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     quick = [*QUICK, "auto.off_factor=100"]
     first = launch_ok(3, [*TINY, "hierarchy.choose=true", *quick, cache], tmp_path / "auto1")

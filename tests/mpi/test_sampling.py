@@ -2,7 +2,8 @@
 asynchronous stages. The exact joint distribution of the first two tokens is computed from the
 tiny target itself; samples from a real mpirun are compared to it with a chi-square test
 (tests/sampling_stats.py). That the same test rejects a verifier that accepts every proposal is
-shown in-process (tests/unit/test_sampling_power.py), where a test can pass a broken verifier in."""
+shown in-process (tests/unit/speculative/test_sampling_power.py), where a test can pass a broken
+verifier in."""
 
 from __future__ import annotations
 

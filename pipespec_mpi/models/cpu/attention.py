@@ -5,7 +5,7 @@ when there is no mask; a verification forward over k > 1 tokens after a cache ha
 copies every layer's keys and values ``num_key_value_groups`` times (``repeat_kv``): O(context)
 per layer and forward (docs/notebook.md, "Measurements behind the code's choices"). torch's
 SDPA broadcasts the groups itself with a mask as well, with the same result (checked bitwise in
-tests/unit/test_kv_cache.py), so this registers ``sdpa_gqa``: transformers' sdpa with
+tests/unit/models/test_kv_cache.py), so this registers ``sdpa_gqa``: transformers' sdpa with
 ``enable_gqa`` always on. Masks are built exactly as for ``sdpa``.
 
 ``rows_kernel``: causal attention of new rows over each sequence's cache with every row computed

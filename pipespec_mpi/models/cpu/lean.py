@@ -8,8 +8,8 @@ linear modules (called through ``forward``; q|k|v and gate|up fused where
 ``flat_linear.fuse_linears`` offers it, for the small-row sizes whose outputs do not depend on
 the width), RMSNorm, RoPE, SDPA, residuals and MLP as transformers writes them, on tensors of
 the same shapes and strides, so the logits are bitwise those of the transformers forward
-(tests/unit/test_lean.py compares them with torch.equal). Rewrites are kept only where they are
-exact: RoPE's ``rotate_half(x) * sin`` is ``roll(x, D/2) * sin_s`` with the first half of
+(tests/unit/models/cpu/test_lean.py compares them with torch.equal). Rewrites are kept only where
+they are exact: RoPE's ``rotate_half(x) * sin`` is ``roll(x, D/2) * sin_s`` with the first half of
 ``sin`` negated (the same products), the boolean mask becomes SDPA's additive one once per
 forward instead of once per layer (what SDPA does with it), the rotated keys are written
 straight into the ``PreallocatedLayer`` buffers (``crop`` rolls back as before). Precomputed

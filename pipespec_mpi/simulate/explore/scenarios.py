@@ -238,7 +238,7 @@ class Parts:
     """What the stages compute with, when not the scenario's oracle: a model per stage (a fresh
     one per call), the prompts (one job each) and EOS; ``wrap`` replaces every stage's verifier
     and ``score`` runs a batched stage's forwards (broken ones, for the tests that must catch
-    them; real models batched: tests/unit/test_batch.py)."""
+    them; real models batched: tests/unit/stage/test_batch.py)."""
 
     model: Callable[[int], Scorer | Proposer]
     prompts: list[list[int]]

@@ -15,7 +15,8 @@ from pipespec_mpi.run.finalize import place, sorted_lines
 from pipespec_mpi.run.jobs import Prompt, prepared_rows
 from pipespec_mpi.run.rows import RowFeed, deal, first_pass
 from pipespec_mpi.topology import place as place_rank
-from tests.unit.test_requests import make_record
+
+from ..data.test_requests import make_record
 
 
 def rows_file(tmp_path, n, bad_every=0):

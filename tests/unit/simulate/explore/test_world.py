@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_sampling_power import tiny_parts
 
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, World, explore, sweep
@@ -17,6 +16,8 @@ from pipespec_mpi.speculative import goodput
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
 from pipespec_mpi.stage import loop as loop_module
 from pipespec_mpi.stage.loop import Mailbox, StageLoop
+
+from ...speculative.test_sampling_power import tiny_parts
 
 
 def test_a_slice_of_every_family_terminates_losslessly_with_counters_that_add_up():

@@ -14,7 +14,7 @@ import pytest
 from pipespec_mpi.analysis import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MPIRUN = Path(sys.executable).parent / "mpirun"
 MODELS = ["d-1L", "m-3L", "t-4L"]
 

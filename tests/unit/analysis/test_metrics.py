@@ -18,7 +18,8 @@ from pipespec_mpi.analysis.metrics import (
 )
 from pipespec_mpi.records import PairAcceptance, Record, group_key
 from pipespec_mpi.stage.stats import StageStats
-from tests.unit.test_records import make_record
+
+from ..test_records import make_record
 
 
 def test_acceptance_on_a_known_trace():

@@ -16,7 +16,8 @@ from pipespec_mpi.models.cpu import flat_linear
 from pipespec_mpi.models.cpu.attention import rows_kernel
 from pipespec_mpi.models.cpu.lowbit import FORMATS, quantize
 from pipespec_mpi.models.cpu.lowbit import extension as lowbit_extension
-from tests.unit.test_lean import model_for
+
+from .test_lean import model_for
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(flat_linear.extension(isa) is None, reason="no build"))

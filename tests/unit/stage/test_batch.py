@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lean import BASES, model_for, needs_kernel
-from test_sampling_power import tiny_parts
 
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.models.base import KVScorer, score_batch
 from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore
 from pipespec_mpi.stage.batch import BatchedStage, score_alone
+
+from ..models.cpu.test_lean import BASES, model_for, needs_kernel
+from ..speculative.test_sampling_power import tiny_parts
 
 BATCH = [f for f in FAMILIES if f.endswith("-batch")]
 
