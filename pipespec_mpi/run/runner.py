@@ -221,8 +221,8 @@ class Runner:
         for g, group in enumerate(groups):
             size = group[0].batch_size
             b = min(size, len(group))
-            for loop in loops:  # between phases: no prompt is in flight
-                loop.cfg = self.cfg.decode.for_batch(size)
+            for loop in loops:  # between phases (no prompt in flight): its settings, what was learned kept
+                loop.policy = loop.policy.with_config(self.cfg.decode.for_batch(size))
             queue = None if b == 1 else JobQueue(len(group))
             slots = [slot(s, group, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else self._batched(slots)

@@ -21,15 +21,22 @@
                           forward (stage/batch.py says why)
 A verifier commits up to n + 1 tokens for n verified: the last stage keeps that within
 ``max_new_tokens``, the others may overshoot their room by the bonus token.
+
+``Policy`` is the port the stage loop decides through (``make_policy``): ``StaticPolicy`` applies
+``decide`` as it is, ``AdaptivePolicy`` hands it running estimates and learns from what the loop
+observes (forwards, verdicts, arrivals, the fates of drafted tokens).
 """
 
 from __future__ import annotations
 
+import copy
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.speculative.goodput import Estimates, choose, draft_reach
+from pipespec_mpi.speculative.goodput import Estimates, choose, draft_reach, survivals
 
 
 class Act(enum.Enum):
@@ -168,3 +175,162 @@ def decide(v: View, cfg: DecodeConfig) -> Decision:
             return Decision(Act.VERIFY, n=min(v.pending, limit), want=want)
         return Decision(Act.OWN, want=want)
     return Decision(Act.WAIT, want=want, upstream_matters=True)
+
+
+class ChoiceCounts(Protocol):
+    """The counters of a stage's choices (stage/stats.py StageStats)."""
+
+    waits_chosen: int
+    waits_joined: int
+    verify_cut: int
+    drafts_held: int
+
+
+class Policy(Protocol):
+    """The port a stage loop decides through: ``decide`` under the settings ``cfg``, the
+    observations a policy learns from, and when a chosen wait should be reconsidered."""
+
+    cfg: DecodeConfig
+    shares_rows: bool  # a batched stage's slots share its verification rows by survival (stage/batch.py)
+
+    def with_config(self, cfg: DecodeConfig) -> Policy:
+        """The same policy, what it learned kept, under other settings (a batched phase's)."""
+        ...
+
+    def decide(self, v: View, upstream_idle: Callable[[], bool]) -> Decision:
+        """The next action; ``upstream_idle`` is read only when the decision depends on it."""
+        ...
+
+    def waits_by_choice(self, d: Decision) -> bool:
+        """Whether ``d`` is a wait this policy chose although it could act."""
+        ...
+
+    def recheck_at(self, d: Decision, now: float) -> float | None:
+        """When a wait of its choice stops paying with nothing changed (None: on change only)."""
+        ...
+
+    def observe_choice(self, v: View, d: Decision, stats: ChoiceCounts, starts_wait: bool) -> None: ...
+    def forward(self, k: int, seconds: float, end: float) -> None: ...
+    def verified(self, n: int, accepted: int) -> None: ...
+    def arrived(self, n_tokens: int) -> None: ...
+    def restarted(self) -> None: ...
+    def fate(self, distance: int, kept: bool) -> None: ...
+    def survivals(self, n: int) -> list[float]: ...
+    def snapshot(self) -> dict: ...
+
+
+class StaticPolicy:
+    """The paper's rule: the fixed lookahead and bounds of ``cfg``; it learns nothing."""
+
+    shares_rows = False
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.cfg = cfg
+
+    def with_config(self, cfg: DecodeConfig) -> Policy:
+        other = copy.copy(self)
+        other.cfg = cfg
+        return other
+
+    def decide(self, v: View, upstream_idle: Callable[[], bool]) -> Decision:
+        d = decide(v, self.cfg)
+        if d.upstream_matters and upstream_idle():
+            d = decide(replace(v, upstream_idle=True), self.cfg)
+        return d
+
+    def waits_by_choice(self, d: Decision) -> bool:
+        return False
+
+    def recheck_at(self, d: Decision, now: float) -> float | None:
+        return None
+
+    def observe_choice(self, v: View, d: Decision, stats: ChoiceCounts, starts_wait: bool) -> None:
+        pass
+
+    def forward(self, k: int, seconds: float, end: float) -> None:
+        pass
+
+    def verified(self, n: int, accepted: int) -> None:
+        pass
+
+    def arrived(self, n_tokens: int) -> None:
+        pass
+
+    def restarted(self) -> None:
+        pass
+
+    def fate(self, distance: int, kept: bool) -> None:
+        pass
+
+    def survivals(self, n: int) -> list[float]:
+        return [1.0] * n
+
+    def snapshot(self) -> dict:
+        return {}
+
+
+class AdaptivePolicy(StaticPolicy):
+    """Decisions by expected tokens per second from running estimates (speculative/goodput.py),
+    kept across prompts and phases; it reads the stage's clock where it learns or decides."""
+
+    shares_rows = True
+
+    def __init__(
+        self, cfg: DecodeConfig, now: Callable[[], float], estimates: Estimates | None = None
+    ) -> None:
+        super().__init__(cfg)
+        self.now = now  # the stage's clock
+        self.est = estimates if estimates is not None else Estimates(cfg.accept_prior, cfg.estimate_rate)
+
+    def decide(self, v: View, upstream_idle: Callable[[], bool]) -> Decision:
+        return super().decide(replace(v, estimates=self.est, now=self.now()), upstream_idle)
+
+    def waits_by_choice(self, d: Decision) -> bool:
+        return d.act is Act.WAIT and d.upstream_matters
+
+    def recheck_at(self, d: Decision, now: float) -> float | None:
+        g = self.est.expected_wait_gap()  # the next proposal is due then
+        due = [x for x in (None if g is None else now + max(g, 1e-4), d.until) if x is not None]
+        return min(due, default=None)
+
+    def observe_choice(self, v: View, d: Decision, stats: ChoiceCounts, starts_wait: bool) -> None:
+        """What it chose where the static rule would have acted at once (a wait counts once, when
+        it starts)."""
+        if d.joined:
+            stats.waits_joined += 1
+        if d.act is Act.VERIFY and d.n < v.pending:
+            stats.verify_cut += 1
+        elif d.act is Act.WAIT and starts_wait:
+            if d.idle and not v.capped:
+                stats.drafts_held += 1
+            elif d.upstream_matters:
+                stats.waits_chosen += 1
+
+    def forward(self, k: int, seconds: float, end: float) -> None:
+        self.est.forward(k, seconds, end)
+
+    def verified(self, n: int, accepted: int) -> None:
+        self.est.verified(n, accepted)
+
+    def arrived(self, n_tokens: int) -> None:
+        self.est.arrived(self.now(), n_tokens)
+
+    def restarted(self) -> None:
+        self.est.restarted(self.now())
+
+    def fate(self, distance: int, kept: bool) -> None:
+        self.est.fate(distance, kept)
+
+    def survivals(self, n: int) -> list[float]:
+        return survivals(self.est.acceptance(), n)
+
+    def snapshot(self) -> dict:
+        return self.est.snapshot()
+
+
+def make_policy(cfg: DecodeConfig, now: Callable[[], float], estimates: Estimates | None = None) -> Policy:
+    """``decode.policy``'s implementation on the stage's clock ``now``; ``estimates``: the
+    adaptive policy's own (the explorer's drawn ones)."""
+    if cfg.policy == "adaptive" or estimates is not None:
+        return AdaptivePolicy(cfg, now, estimates)
+    return StaticPolicy(cfg)

@@ -39,7 +39,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from pipespec_mpi.speculative.goodput import RowCost, allot_rows, survivals
+from pipespec_mpi.speculative.goodput import RowCost, allot_rows
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock
@@ -129,11 +129,10 @@ class BatchedStage:
         """Adaptive: cut the slots' verifications to the shared row budget, by survival, and to the
         rows that pay for themselves."""
         loop = forwards[0][0].loop
-        if loop.est is None or len(self.slots) < 2:
+        if not loop.policy.shares_rows or len(self.slots) < 2:
             return forwards
         surv = [
-            survivals(slot.loop.est.acceptance(), len(f.proposal)) if f.act is Act.VERIFY else []
-            for slot, f in forwards
+            slot.loop.policy.survivals(len(f.proposal)) if f.act is Act.VERIFY else [] for slot, f in forwards
         ]
         budget = loop.cfg.batch_verify_rows
         if budget is None:

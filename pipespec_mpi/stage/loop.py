@@ -9,8 +9,8 @@
      travels at most once), whether or not this stage acts now
   3. take the proposals that arrived from upstream; drop those of an older epoch or prompt, fold
      the rest into the inbox; a proposal contradicting our committed tokens bumps our epoch
-  4. decide (speculative/policy.py) and act: a draft or lookup, a verification, an own step,
-     or wait; publish the header and send what is new
+  4. decide through the policy (speculative/policy.py ``Policy``) and act: a draft or lookup, a
+     verification, an own step, or wait; publish the header and send what is new
 The last stage stops at EOS or the prompt's ``max_new_tokens`` and raises ``done``; each stage relays it up.
 Every part is a port (stage/ports.py), so ranks, the simulator and the schedule explorer all
 drive this one loop; a driver calls ``step()`` until it says DONE, sleeping while it says WAITING.
@@ -21,14 +21,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.speculative.goodput import Estimates
-from pipespec_mpi.speculative.policy import Act, Decision, View, decide
+from pipespec_mpi.speculative.policy import Act, Decision, Policy, View, make_policy
 from pipespec_mpi.speculative.sequence import Inbox, adopt
 from pipespec_mpi.speculative.verifiers import Verifier
 from pipespec_mpi.stage.ports import Clock, Header, Proposal, Proposer, Receiver, Scorer, Sender, Window
@@ -113,11 +112,13 @@ class StageLoop:
         eos_token_id: int,
         vocab: int = 0,
         record_timeline: bool = True,
+        policy: Policy | None = None,
     ) -> None:
         self.role, self.model, self.win, self.clock = role, model, window, clock
         self.sender = sender
         self.mailbox = Mailbox(receiver)
-        self.cfg = decode
+        # how it decides and what it learns, kept across prompts (default: decode.policy's)
+        self.policy = policy if policy is not None else make_policy(decode, clock.now)
         self.eos = eos_token_id
         self.vocab = vocab  # width of the distributions that travel with proposals (sampling)
         self.record_timeline = record_timeline
@@ -128,10 +129,11 @@ class StageLoop:
         # A rank's driver polls every millisecond anyway; the simulator wakes the stage then
         self.recheck_at: float | None = None
         self.waits_for_upstream = False  # the last iteration waited for more proposals by choice
-        # the adaptive policy's running estimates, kept across prompts (speculative/goodput.py)
-        self.est = (
-            Estimates(decode.accept_prior, decode.estimate_rate) if decode.policy == "adaptive" else None
-        )
+
+    @property
+    def cfg(self) -> DecodeConfig:
+        """The decode settings, the policy's (a batched phase hands the loop a policy for its own)."""
+        return self.policy.cfg
 
     # ------------------------------------------------------------------ prompt boundaries
     def reset(self, seq: int) -> None:
@@ -192,8 +194,8 @@ class StageLoop:
         self._close_wait(t)
         if not self.is_scorer and self.finish_reason != "idle":
             self.stats.drafter = self.model.end_sequence(self.out[: self._confirmed()])
-        if self.est is not None and self.finish_reason != "idle":
-            self.stats.policy_state = self.est.snapshot()
+        if self.finish_reason != "idle":
+            self.stats.policy_state = self.policy.snapshot()
         self._publish(done=True)
         return StageOutcome(list(self.out), self.finish_reason or "done", t - self.t_start, self.stats)
 
@@ -234,13 +236,9 @@ class StageLoop:
             return Step.DONE
         d = self._decide(joining)
         self.want, self.idle = d.want, d.idle
-        self.waits_for_upstream = self.est is not None and d.act is Act.WAIT and d.upstream_matters
+        self.waits_for_upstream = self.policy.waits_by_choice(d)
         t = self.clock.now()
-        self.recheck_at = None
-        if self.waits_for_upstream:
-            g = self.est.expected_wait_gap()  # the next proposal is due then
-            due = [x for x in (None if g is None else t + max(g, 1e-4), d.until) if x is not None]
-            self.recheck_at = min(due, default=None)
+        self.recheck_at = self.policy.recheck_at(d, t) if self.waits_for_upstream else None
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._close_wait(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
@@ -286,27 +284,9 @@ class StageLoop:
             pending=len(self.inbox.tokens), want=self.want, upstream_free=self.role.upstream_free,
             joining=joining,
         )  # fmt: skip
-        if self.est is not None:
-            v = replace(v, estimates=self.est, now=self.clock.now())
-        d = decide(v, self.cfg)
-        if d.upstream_matters and self.role.upstream is not None and self._upstream_idle():
-            d = decide(replace(v, upstream_idle=True), self.cfg)
-        if self.est is not None:
-            self._count_choice(v, d)
+        d = self.policy.decide(v, self._upstream_idle)
+        self.policy.observe_choice(v, d, self.stats, starts_wait=self.wait_t0 is None)
         return d
-
-    def _count_choice(self, v: View, d: Decision) -> None:
-        """What the adaptive policy chose where the static rule would have acted at once (a wait
-        counts once, when it starts)."""
-        if d.joined:
-            self.stats.waits_joined += 1
-        if d.act is Act.VERIFY and d.n < v.pending:
-            self.stats.verify_cut += 1
-        elif d.act is Act.WAIT and self.wait_t0 is None:
-            if d.idle and not v.capped:
-                self.stats.drafts_held += 1
-            elif d.upstream_matters:
-                self.stats.waits_chosen += 1
 
     # ------------------------------------------------------------------ actions
     def _step(self, kind: str, logits: torch.Tensor, t0: float) -> None:
@@ -314,17 +294,13 @@ class StageLoop:
         n0 = len(self.out)
         drawn = self.verifier.draw(logits, n0)
         t1 = self.clock.now()
-        self.stats.forward_calls += 1
-        if self.est is not None and self.method != "ar":  # AR's forwards run on other threads
-            self.est.forward(0, t1 - t0, t1)  # (host/placement.py CpuShare.solo): not the policy's costs
+        self.stats.stepped(kind)
+        if self.method != "ar":  # AR's forwards run on other threads (host/placement.py
+            self.policy.forward(0, t1 - t0, t1)  # CpuShare.solo): not the policy's costs
         self._commit([drawn.token], t1 - t0, [drawn.dist])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
-        if kind == "draft":
-            self.stats.draft_steps += 1
-        else:
-            self.stats.own_steps += 1
-            if not self.inbox.advance(self.out, n0):
-                self._bump_epoch()
+        if kind == "own" and not self.inbox.advance(self.out, n0):
+            self._bump_epoch()
         self._spent(t0, t1, kind, 1)
 
     def _lookup(self, limit: int) -> bool:
@@ -346,14 +322,9 @@ class StageLoop:
         checked = self.verifier.verify(proposal, dists, logits, n0)  # logits [n+1, V]
         t1 = self.clock.now()
         verdict = checked.verdict
-        self.stats.forward_calls += 1
-        self.stats.verifications += 1
-        self.stats.tokens_verified += n
-        self.stats.tokens_accepted += verdict.n_accepted
-        self.stats.verify_trace.append([n, verdict.n_accepted])
-        if self.est is not None:
-            self.est.verified(n, verdict.n_accepted)
-            self.est.forward(n, t1 - t0, t1)
+        self.stats.verified(n, verdict.n_accepted)
+        self.policy.verified(n, verdict.n_accepted)
+        self.policy.forward(n, t1 - t0, t1)
         self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
@@ -373,7 +344,7 @@ class StageLoop:
         self.ahead.extend(range(ahead0 + 1, ahead0 + 1 + len(tokens)))
         self.out.extend(tokens)
         self.cost.extend([cost_s / max(1, len(tokens))] * len(tokens))
-        self.stats.tokens_generated += len(tokens)
+        self.stats.committed(len(tokens), len(self.out))
         if self.role.is_last:
             self.stats.commit_times.append([round(self.clock.now() - self.t_start, 6), len(self.out)])
 
@@ -407,11 +378,7 @@ class StageLoop:
         discarded = old - keep
         self._fates(keep, min(h.length, keep), thrown_to=old)
         self.ahead = self.ahead[:keep] + [0] * (len(tokens) - keep)
-        if discarded:
-            self.stats.rollbacks += 1
-            self.stats.tokens_discarded += discarded
-            self.stats.discarded_s += sum(self.cost[keep:])
-        self.stats.tokens_adopted += len(tokens) - keep
+        self.stats.adopted(keep, old, len(tokens), sum(self.cost[keep:]) if discarded else 0.0)
         self.cost = self.cost[:keep] + [0.0] * (len(tokens) - keep)
         self.out = tokens
         self.dirty_from = min(self.dirty_from, keep)
@@ -433,16 +400,14 @@ class StageLoop:
         return False, True
 
     def _fates(self, keep: int, confirmed: int, thrown_to: int = 0) -> None:
-        """Adaptive: record the fate of our tokens the downstream has now judged: kept up to
+        """Tell the policy the fate of our tokens the downstream has now judged: kept up to
         ``confirmed``, thrown away from ``keep`` to ``thrown_to`` (the length before a rollback)."""
-        if self.est is None:
-            return
         for i in range(self.fated, confirmed):
             if self.ahead[i] > 0:
-                self.est.fate(self.ahead[i], True)
+                self.policy.fate(self.ahead[i], True)
         for i in range(max(self.fated, keep), thrown_to):
             if self.ahead[i] > 0:
-                self.est.fate(self.ahead[i], False)
+                self.policy.fate(self.ahead[i], False)
         self.fated = min(max(self.fated, confirmed), keep)
 
     def _send_owed(self) -> bool:
@@ -480,17 +445,18 @@ class StageLoop:
                 self._bump_epoch()
                 self._publish()
                 before = 0
-        if self.est is not None:
-            self.est.arrived(self.clock.now(), len(self.inbox.tokens) - before)
+        self.policy.arrived(len(self.inbox.tokens) - before)
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
-        """The upstream can give no more for our tokens as they are: it says idle, about our
+        """The upstream (if any) can give no more for our tokens as they are: it says idle, about our
         tokens as they are now (its header names the epoch and length of ours it had read). A
         flag about an older version of them says nothing: believing one, the middle stage
         stepped on its own while the suffix drafter's proposal for its new token was a header
         read away. (The upstream's length cannot tell: a drafter running ahead on its own
         unconfirmed drafts is longer than our tokens before it has read them; docs/protocol.md.)"""
+        if self.role.upstream is None:
+            return False
         h = self._read(self.win.header, self.role.upstream)
         return (
             h.prompt == self.seq and h.idle and h.down_epoch == self.epoch and h.down_length >= len(self.out)
@@ -508,8 +474,7 @@ class StageLoop:
         self.inbox.clear()
         self.epoch += 1
         self.stats.rollbacks_signalled += 1
-        if self.est is not None:
-            self.est.restarted(self.clock.now())
+        self.policy.restarted()
 
     @property
     def _capped(self) -> bool:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class CountError(AssertionError):
+    """A stage's counters contradict what it holds (a bug, never a user error)."""
+
+
 @dataclass
 class StageStats:
     stage: int
@@ -58,6 +62,51 @@ class StageStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    # ---------------------------------------------------------------- observers (the loop's events)
+    def stepped(self, kind: str) -> None:
+        """A one-token forward of its own: a drafter's ``draft`` step or a verifier's ``own`` one."""
+        self.forward_calls += 1
+        if kind == "draft":
+            self.draft_steps += 1
+        else:
+            self.own_steps += 1
+
+    def verified(self, n: int, accepted: int) -> None:
+        """A verification of ``n`` proposals, ``accepted`` of them kept."""
+        if not 0 <= accepted <= n:
+            raise CountError(f"stage {self.stage}: {accepted} of {n} proposals accepted")
+        self.forward_calls += 1
+        self.verifications += 1
+        self.tokens_verified += n
+        self.tokens_accepted += accepted
+        self.verify_trace.append([n, accepted])
+
+    def committed(self, n: int, length: int) -> None:
+        """``n`` tokens committed by the stage's own action; its sequence is now ``length`` long."""
+        self.tokens_generated += n
+        self._balanced(length)
+
+    def adopted(self, keep: int, old: int, length: int, discarded_s: float) -> None:
+        """The downstream's tokens taken over: ours kept up to ``keep`` of ``old``, the rest thrown
+        away (``discarded_s`` of compute); the sequence is now ``length`` long."""
+        if not 0 <= keep <= min(old, length):
+            raise CountError(f"stage {self.stage}: kept {keep} of {old} tokens, now holding {length}")
+        if old > keep:
+            self.rollbacks += 1
+            self.tokens_discarded += old - keep
+            self.discarded_s += discarded_s
+        self.tokens_adopted += length - keep
+        self._balanced(length)
+
+    def _balanced(self, length: int) -> None:
+        """Every token the stage holds was generated or adopted, and not thrown away: live, so a
+        bookkeeping slip fails at the step that made it (the explorer reports it as an error)."""
+        if self.token_balance(length):
+            raise CountError(
+                f"stage {self.stage}: generated {self.tokens_generated} + adopted {self.tokens_adopted} "
+                f"- discarded {self.tokens_discarded} != {length} tokens held"
+            )
 
     def token_balance(self, final: int) -> int:
         """generated + adopted - discarded - final: zero when no token is lost or counted twice."""

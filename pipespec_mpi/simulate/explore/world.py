@@ -31,6 +31,7 @@ from pipespec_mpi.simulate.explore.scenarios import (
 )
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
+from pipespec_mpi.speculative.policy import make_policy
 from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
@@ -121,10 +122,14 @@ class World:
                 n = s * k + i
                 free = i == 1 and sc.lookup
                 role = StageRole(i, k, n, n - 1 if i else None, n + 1 if i < k - 1 else None, free)
+                # the "-adaptive" families' chaos: estimates that read as anything (ports.py)
+                chaos = None
+                if sc.chaos:
+                    chaos = ChaosEstimates(random.Random(f"chaos:{sc.family}:{sc.seed}:{n}"))
                 loop = StageLoop(
                     role, self.parts.model(i), ExWindow(self, role), ExSender(self, n) if i < k - 1 else None,
                     ExReceiver(self, n) if i else None, clock, sc.decode, self.eos, vocab=sc.vocab,
-                    record_timeline=False,
+                    record_timeline=False, policy=make_policy(sc.decode, clock.now, chaos),
                 )  # fmt: skip
                 slots.append(
                     StageProcess(
@@ -137,11 +142,6 @@ class World:
                     )  # fmt: skip
                 )
             self.slot_procs += slots
-            if sc.chaos:
-                for p in slots:
-                    p.loop.est = ChaosEstimates(
-                        random.Random(f"chaos:{sc.family}:{sc.seed}:{p.loop.role.rank}")
-                    )
             stage = slots[0] if b == 1 else BatchedStage(slots, clock, self.parts.score)
             if sc.chaos and isinstance(stage, BatchedStage):
                 stage.row_cost = ChaosRowCost(random.Random(f"rows:{sc.family}:{sc.seed}:{i}"))

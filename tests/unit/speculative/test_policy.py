@@ -93,3 +93,63 @@ def test_idle_is_not_sticky():
 
 def test_ar_steps_alone():
     assert decide(view(method="ar", pending=5), CFG).act is Act.OWN
+
+
+# ---------------------------------------------------------------- the port: one factory, two policies
+def test_one_factory_makes_each_policy_and_a_phase_keeps_what_was_learned():
+    from pipespec_mpi.speculative.goodput import Estimates
+    from pipespec_mpi.speculative.policy import AdaptivePolicy, StaticPolicy, make_policy
+
+    reads = []
+
+    def now() -> float:
+        reads.append(1)
+        return 10.0
+
+    static = make_policy(DecodeConfig(policy="static"), now)
+    assert type(static) is StaticPolicy and not static.shares_rows and static.snapshot() == {}
+    static.arrived(3)
+    static.restarted()
+    assert reads == []  # the static rule reads no clock and learns nothing
+    adaptive = make_policy(DecodeConfig(policy="adaptive"), now)
+    assert type(adaptive) is AdaptivePolicy and adaptive.shares_rows
+    adaptive.verified(4, 3)
+    adaptive.forward(4, 0.02, 1.0)
+    phase = adaptive.with_config(DecodeConfig(policy="adaptive", max_verify=3))
+    assert phase.cfg.max_verify == 3 and adaptive.cfg.max_verify == 16  # the old one unchanged
+    assert phase.est is adaptive.est and phase.snapshot() == adaptive.snapshot()  # learned: kept
+    mine = Estimates(0.2, 0.1)
+    assert make_policy(DecodeConfig(policy="static"), now, mine).est is mine  # the explorer's own
+
+
+def test_the_static_policy_asks_the_upstream_only_when_the_decision_depends_on_it():
+    from pipespec_mpi.speculative.policy import StaticPolicy
+
+    asked = []
+
+    def idle() -> bool:
+        asked.append(1)
+        return True
+
+    static = StaticPolicy(DecodeConfig(lookahead=2, max_new_tokens=20, max_verify=6, policy="static"))
+    assert static.decide(view(pending=3), idle).act is Act.VERIFY and asked == []  # enough pending
+    d = static.decide(view(pending=1), idle)  # one short of the lookahead: an idle upstream gives no more
+    assert asked == [1] and d.act is Act.VERIFY and d.n == 1
+    assert not static.waits_by_choice(d) and static.recheck_at(d, 0.0) is None
+
+
+def test_the_adaptive_policy_counts_its_own_choices():
+    from types import SimpleNamespace
+
+    from pipespec_mpi.speculative.policy import AdaptivePolicy, Decision, StaticPolicy
+
+    cfg = DecodeConfig(policy="adaptive")
+    counts = dict(waits_chosen=0, waits_joined=0, verify_cut=0, drafts_held=0)
+    stats = SimpleNamespace(**counts)
+    wait = Decision(Act.WAIT, upstream_matters=True)
+    for policy in (StaticPolicy(cfg), AdaptivePolicy(cfg, lambda: 0.0)):
+        policy.observe_choice(view(pending=4), Decision(Act.VERIFY, n=2), stats, starts_wait=True)
+        policy.observe_choice(view(pending=0), wait, stats, starts_wait=True)
+        policy.observe_choice(view(pending=0), wait, stats, starts_wait=False)  # the same wait, again
+    assert vars(stats) == dict(counts, verify_cut=1, waits_chosen=1)  # the adaptive one's alone
+    assert AdaptivePolicy(cfg, lambda: 0.0).waits_by_choice(wait)

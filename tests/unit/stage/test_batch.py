@@ -11,6 +11,7 @@ import torch
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.models.base import KVScorer, score_batch
 from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore
+from pipespec_mpi.speculative.policy import StaticPolicy
 from pipespec_mpi.stage.batch import BatchedStage, score_alone
 
 from ..models.cpu.test_lean import BASES, model_for, needs_kernel
@@ -134,13 +135,14 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
     from types import SimpleNamespace
 
     from pipespec_mpi.speculative.goodput import Estimates
-    from pipespec_mpi.speculative.policy import Act
+    from pipespec_mpi.speculative.policy import Act, AdaptivePolicy
     from pipespec_mpi.stage.loop import Forward
 
     cfg = DecodeConfig(policy="adaptive", batch_verify_rows=16)
 
     def slot(accept: float) -> SimpleNamespace:
-        loop = SimpleNamespace(est=Estimates(accept, 0.1), cfg=cfg, stats=SimpleNamespace(verify_cut=0))
+        policy = AdaptivePolicy(cfg, lambda: 0.0, Estimates(accept, 0.1))
+        loop = SimpleNamespace(policy=policy, cfg=cfg, stats=SimpleNamespace(verify_cut=0))
         return SimpleNamespace(loop=loop)
 
     good, poor, worse = slot(0.9), slot(0.5), slot(0.2)
@@ -236,8 +238,8 @@ def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never
         def complete(f, rows, t0) -> None:
             log.append(f"complete {i} held={depth[0]}")
 
-        return SimpleNamespace(advance=advance, complete=complete, waits_for_upstream=False,
-                               loop=SimpleNamespace(est=None, model=None))  # fmt: skip
+        loop = SimpleNamespace(policy=StaticPolicy(DecodeConfig()), model=None)
+        return SimpleNamespace(advance=advance, complete=complete, waits_for_upstream=False, loop=loop)
 
     def score(requests):
         log.append(f"forward held={depth[0]}")

@@ -13,8 +13,8 @@ import pytest
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, World, explore, sweep
 from pipespec_mpi.speculative import goodput
+from pipespec_mpi.speculative import policy as policy_module
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
-from pipespec_mpi.stage import loop as loop_module
 from pipespec_mpi.stage.loop import Mailbox, StageLoop
 
 from ...speculative.test_sampling_power import tiny_parts
@@ -81,8 +81,8 @@ def ignoring_stop(monkeypatch) -> None:
 
 def wait_without_until(monkeypatch) -> None:
     """The answer's wait without its end: ``Decision.until`` never set, so no recheck is due."""
-    decide = loop_module.decide
-    monkeypatch.setattr(loop_module, "decide", lambda v, cfg: replace(decide(v, cfg), until=None))
+    decide = policy_module.decide
+    monkeypatch.setattr(policy_module, "decide", lambda v, cfg: replace(decide(v, cfg), until=None))
 
 
 def resending_leviathan(monkeypatch) -> None:
@@ -210,3 +210,15 @@ def test_the_suffix_families_exercise_the_drafters_own_cuts():
                     seen["forgotten"] += d["forgotten"]
                     seen["proposals"] += sum(d["proposals"].values())
     assert tried >= 20 and all(seen.values()), (tried, seen)
+
+
+def test_a_token_counted_twice_fails_at_the_step_in_the_explorer(monkeypatch):
+    """The token balance is a live check (stage/stats.py): a bookkeeping slip is an error where it
+    happens, not a counter that disagrees after the run."""
+    from pipespec_mpi.stage.stats import StageStats
+
+    assert explore("pipespec-greedy", 0).ok
+    committed = StageStats.committed
+    monkeypatch.setattr(StageStats, "committed", lambda self, n, length: committed(self, n + (n > 1), length))
+    found = explore("pipespec-greedy", 0)
+    assert found.verdict == "error" and "tokens held" in found.detail, found
