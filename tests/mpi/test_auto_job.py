@@ -48,7 +48,13 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
 
     second = launch_ok(3, [*TINY, "hierarchy.choose=true", *quick, cache], tmp_path / "auto2")
     again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
-    assert plan["spot_check"] is None and again["spot_check"]["factor"] == 1.5
+    assert plan["spot_check"] is None
+    if plan["cost_check"]["still_off"]:  # a busy machine: the first job's timings of the target
+        # disagreed even when timed again, so it did not cache them and the second measures anew
+        assert again["spot_check"] is None and again["from_cache"] == ["agreement"]
+        assert outputs(second) == ar
+        return
+    assert again["spot_check"]["factor"] == 1.5
     # the cached costs are used where the target's step, timed again, agrees with them (a busy
     # moment of the machine may make it disagree: then they are measured again)
     agrees = again["spot_check"]["verdict"] == "agrees"
