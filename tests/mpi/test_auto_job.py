@@ -49,7 +49,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     second = launch_ok(3, [*TINY, "hierarchy.choose=true", *quick, cache], tmp_path / "auto2")
     again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
     assert plan["spot_check"] is None
-    if plan["cost_check"]["still_off"]:  # a busy machine: the first job's timings of the target
+    if (plan["cost_check"] or {}).get("still_off"):  # a busy machine: the first job's timings of the target
         # disagreed even when timed again, so it did not cache them and the second measures anew
         assert again["spot_check"] is None and again["from_cache"] == ["agreement"]
         assert outputs(second) == ar
