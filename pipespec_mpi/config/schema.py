@@ -112,20 +112,7 @@ class Kernels(Choice):
 
 
 METHODS = Method.values()
-POLICIES = Policy.values()
-MODES = Mode.values()
-TRANSPORTS = Transport.values()
-STAGE_KINDS = StageKind.values()
 DRAFTER_KINDS = ("prompt_lookup", "suffix")  # model-free: no weights, only stage 0
-WEIGHT_FORMATS = WeightFormat.values()
-DTYPES = DType.values()
-QUANTIZATIONS = Quantization.values()
-TOKENIZER_KINDS = TokenizerKind.values()
-ON_ERROR = OnError.values()
-OUTPUT_FORMATS = OutputFormat.values()
-EPOCHS_WINDOWS = EpochsWindow.values()
-CPU_BINDS = CpuBind.values()
-KERNELS = Kernels.values()
 
 
 class ConfigError(UserError, ValueError):

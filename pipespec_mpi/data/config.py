@@ -28,10 +28,6 @@ class Truncation(Choice):  # left: keep the first token and the end; right: keep
     right = "right"
 
 
-DATASETS = DatasetName.values()
-FILE_FORMATS = FileFormat.values()
-
-
 @dataclass
 class DatasetConfig:
     """Which prompts (conf/dataset/<name>.yaml names the dataset and its files).
