@@ -32,7 +32,8 @@ from pipespec_mpi.platforms import Platform, current_platform, local_stages
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
-from pipespec_mpi.stage.loop import StageLoop, StageRole
+from pipespec_mpi.stage.loop import StageLoop
+from pipespec_mpi.stage.ports import StagePorts, StageRole
 from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
 from pipespec_mpi.topology import Placement
 
@@ -359,7 +360,5 @@ def stage_loop(
         window = RingingWindow(window, bell, pl.neighbours)
         if sender is not None:
             sender = RingingSender(sender, bell, pl.downstream)
-    return StageLoop(
-        role, model, window, sender, links.receiver, PerfClock(), cfg.decode,
-        loaded.tokenizer.eos_token_id, vocab=loaded.vocab,
-    )  # fmt: skip
+    ports = StagePorts(window, PerfClock(), sender, links.receiver)
+    return StageLoop(role, model, ports, cfg.decode, loaded.tokenizer.eos_token_id, vocab=loaded.vocab)

@@ -38,8 +38,8 @@ from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.simulate.ports import SimClock, TimedReceiver, TimedSender, TimedWindow, Version
 from pipespec_mpi.speculative.verifiers import Greedy
 from pipespec_mpi.stage.batch import BatchedStage
-from pipespec_mpi.stage.loop import Forward, StageLoop, StageRole, Step
-from pipespec_mpi.stage.ports import Proposal
+from pipespec_mpi.stage.loop import Forward, StageLoop, Step
+from pipespec_mpi.stage.ports import Proposal, StagePorts, StageRole
 from pipespec_mpi.stage.stats import StageOutcome, StageStats
 
 PROMPT_SEQ = 1  # the simulated prompt's sequence number
@@ -166,11 +166,14 @@ class Engine:
                 n.model.compute = shared[i]
             free = i > 0 and profiles[i - 1].kind == "lookup"
             role = StageRole(i, k, n.i, n.i - 1 if i else None, n.i + 1 if i < k - 1 else None, free)
+            ports = StagePorts(
+                TimedWindow(self, n.i), n.clock,
+                sender=TimedSender(self, n.i) if role.downstream is not None else None,
+                receiver=TimedReceiver(self, n.i) if role.upstream is not None else None,
+            )  # fmt: skip
             n.loop = StageLoop(
-                role, n.model, TimedWindow(self, n.i),
-                TimedSender(self, n.i) if role.downstream is not None else None,
-                TimedReceiver(self, n.i) if role.upstream is not None else None,
-                n.clock, cfg.decode, NEVER, vocab=self.oracle.vocab, record_timeline=cfg.record_timeline,
+                role, n.model, ports, cfg.decode, NEVER,
+                vocab=self.oracle.vocab, record_timeline=cfg.record_timeline,
             )  # fmt: skip
 
         # per stage: the slots stepped together (batched), and when the stage runs next

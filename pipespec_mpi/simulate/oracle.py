@@ -18,7 +18,7 @@ import torch
 
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.ports import SimClock
-from pipespec_mpi.stage.loop import ProtocolError
+from pipespec_mpi.stage.ports import ProtocolError
 
 _M64 = (1 << 64) - 1
 NOISE_ROWS = 1024

@@ -19,19 +19,20 @@ drive this one loop; a driver calls ``step()`` until it says DONE, sleeping whil
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.speculative.policy import Act, Decision, Policy, View, make_policy
 from pipespec_mpi.speculative.sequence import Inbox, adopt
 from pipespec_mpi.speculative.verifiers import Verifier
-from pipespec_mpi.stage.ports import Clock, Header, Proposal, Proposer, Receiver, Scorer, Sender, Window
-from pipespec_mpi.stage.stats import StageOutcome, StageStats
+from pipespec_mpi.stage.ledger import Ledger
+from pipespec_mpi.stage.mailbox import Mailbox
+from pipespec_mpi.stage.outbox import Outbox
+from pipespec_mpi.stage.ports import Header, Proposer, Scorer, StagePorts, StageRole
+from pipespec_mpi.stage.stats import StageOutcome, StageStats, Trace
 
 
 class Step(enum.Enum):
@@ -51,50 +52,6 @@ class Forward:
     proposal: list[int]
 
 
-class ProtocolError(RuntimeError):
-    """An invariant of the stage protocol broke (a bug, never a user error)."""
-
-
-@dataclass(frozen=True)
-class StageRole:
-    stage: int
-    n_stages: int
-    rank: int
-    upstream: int | None
-    downstream: int | None
-    upstream_free: bool = False  # the upstream is a model-free drafter (prompt lookup, suffix)
-
-    @property
-    def is_last(self) -> bool:
-        return self.downstream is None
-
-
-class Mailbox:
-    """Proposals from upstream, held until their prompt is decoded. An upstream that passed the
-    start of the next prompt first may already be sending for it: those are kept, not dropped."""
-
-    def __init__(self, receiver: Receiver | None) -> None:
-        self.receiver = receiver
-        self.held: deque[Proposal] = deque()
-
-    def pump(self) -> None:
-        if self.receiver is not None:
-            self.held.extend(self.receiver.poll())
-
-    def take(self, seq: int) -> tuple[list[Proposal], int]:
-        """This prompt's proposals, in order, and how many of older prompts were dropped.
-        (A channel keeps its order and an upstream decodes prompts in order.)"""
-        self.pump()
-        mine, dropped = [], 0
-        while self.held and self.held[0].prompt <= seq:
-            msg = self.held.popleft()
-            if msg.prompt == seq:
-                mine.append(msg)
-            else:
-                dropped += 1
-        return mine, dropped
-
-
 class StageLoop:
     """One stage decoding prompts one after another: ``reset(seq)`` before the start of a prompt,
     ``begin(...)`` at its start, ``step()`` until DONE, ``finish()``; ``pump()`` while waiting
@@ -104,29 +61,26 @@ class StageLoop:
         self,
         role: StageRole,
         model: Scorer | Proposer,
-        window: Window,
-        sender: Sender | None,
-        receiver: Receiver | None,
-        clock: Clock,
+        ports: StagePorts,
         decode: DecodeConfig,
         eos_token_id: int,
+        *,
         vocab: int = 0,
         record_timeline: bool = True,
         policy: Policy | None = None,
     ) -> None:
-        self.role, self.model, self.win, self.clock = role, model, window, clock
-        self.sender = sender
-        self.mailbox = Mailbox(receiver)
+        self.role, self.model, self.win, self.clock = role, model, ports.window, ports.clock
+        self.sender = ports.sender
+        self.mailbox = Mailbox(ports.receiver)
         # how it decides and what it learns, kept across prompts (default: decode.policy's)
-        self.policy = policy if policy is not None else make_policy(decode, clock.now)
+        self.policy = policy if policy is not None else make_policy(decode, ports.clock.now)
         self.eos = eos_token_id
         self.vocab = vocab  # width of the distributions that travel with proposals (sampling)
         self.record_timeline = record_timeline
         self.is_scorer = hasattr(model, "logits")
         self.seq = -1
-        # a waiting stage's next moment to decide again although nothing it sees changed (the
-        # adaptive policy's wait stops paying as the upstream stays silent); None: on change only.
-        # A rank's driver polls every millisecond anyway; the simulator wakes the stage then
+        # a waiting stage's next moment to decide again although nothing it sees changed (a
+        # policy's wait stops paying as the upstream stays silent); None: on change only
         self.recheck_at: float | None = None
         self.waits_for_upstream = False  # the last iteration waited for more proposals by choice
 
@@ -140,19 +94,16 @@ class StageLoop:
         """Publish a fresh header for prompt ``seq`` (before the start of the prompt)."""
         self.seq, self.epoch, self.seen_down_epoch = seq, 0, 0
         self.out: list[int] = []
-        self.cost: list[float] = []  # compute time per committed token (for discarded_s)
-        self.ahead: list[int] = []  # per committed token: how far ahead of the downstream it was
-        # committed (0: adopted from it); tokens before ``fated`` had their fate recorded
-        self.fated = 0
-        self.sent = self.dirty_from = 0
+        self.ledger = Ledger()
+        self.outbox = Outbox(self.role.stage, self.sender)
+        self.dirty_from = 0
         self.want, self.idle = 0, False
         self.published: tuple[int, bool, int, int] | None = None
         self.down: Header | None = None
         self.inbox = Inbox()
-        self.rows: dict[int, np.ndarray] = {}  # position -> distribution, for tokens not yet sent
         self.finish_reason: str | None = None
-        self.wait_t0: float | None = None
         self.stats = StageStats(self.role.stage, self.role.rank, getattr(self.model, "name", "?"))
+        self.trace = Trace(self.stats, self.record_timeline)
         self._publish()
 
     def pump(self) -> None:
@@ -173,8 +124,8 @@ class StageLoop:
         ``store_key``: a drafter's job store for this sequence (default: the method's)."""
         self.prompt, self.method, self.verifier = list(prompt), method, verifier
         self.limit = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
-        self.t_start = self.clock.now()
-        self.stats.t0_perf_counter = self.t_start
+        t0 = self.clock.now()
+        self.trace.start(t0)
         if method == "ar" and not self.role.is_last:  # AR: the last model alone; the others idle
             self.finish_reason = "idle"
             return
@@ -185,19 +136,19 @@ class StageLoop:
         else:  # a drafter's job store (models/suffix.py)
             self.model.prefill(self.prompt, room=room, store_key=store_key or method)
         t1 = self.clock.now()
-        self.stats.prefill_s = t1 - self.t_start
-        self._event(self.t_start, t1, "prefill", len(self.prompt))
+        self.stats.prefill_s = t1 - t0
+        self.trace.event(t0, t1, "prefill", len(self.prompt), len(self.prompt))
 
     def finish(self) -> StageOutcome:
         """After DONE: publish ``done`` (relayed upstream) and hand over the outcome."""
         t = self.clock.now()
-        self._close_wait(t)
+        self._wait_ends(t)
         if not self.is_scorer and self.finish_reason != "idle":
             self.stats.drafter = self.model.end_sequence(self.out[: self._confirmed()])
         if self.finish_reason != "idle":
             self.stats.policy_state = self.policy.snapshot()
         self._publish(done=True)
-        return StageOutcome(list(self.out), self.finish_reason or "done", t - self.t_start, self.stats)
+        return StageOutcome(list(self.out), self.finish_reason or "done", t - self.trace.t_start, self.stats)
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> Step:
@@ -211,12 +162,10 @@ class StageLoop:
         return self.complete(fwd, self.model.logits(fwd.seq, fwd.proposal), t0)
 
     def advance(self, joining: bool = False) -> Step | Forward:
-        """One iteration up to its forward: a ``Step``, or the ``Forward`` this stage decided on,
-        which the driver runs (alone, or batched with other sequences' forwards on the same
-        weights) and hands to ``complete``. Nothing else happens in between, so a batched
-        iteration is the same iteration as ``step``'s. ``joining``: a batched forward of the
-        stage's other slots runs now, so the adaptive policy does not wait for more proposals
-        (``waits_for_upstream`` says when an iteration did: stage/batch.py asks it again)."""
+        """One iteration up to its forward: a ``Step``, or the ``Forward`` decided on, which the
+        driver runs (alone, or batched with other slots' forwards) and hands to ``complete``.
+        ``joining``: the stage's other slots forward now, so the policy need not wait for more
+        proposals (``waits_for_upstream`` says when an iteration did: stage/batch.py)."""
         self.waits_for_upstream = False
         if self.finish_reason is not None:
             return Step.DONE
@@ -240,7 +189,7 @@ class StageLoop:
         t = self.clock.now()
         self.recheck_at = self.policy.recheck_at(d, t) if self.waits_for_upstream else None
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
-            self._close_wait(t)
+            self._wait_ends(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
             return Forward(d.act, self._full(), list(proposal))
         acted = False
@@ -249,16 +198,15 @@ class StageLoop:
             self.idle = not acted
         if not acted:
             changed |= self._publish_flags()
-            if self.wait_t0 is None:
-                self.wait_t0 = t
+            self.trace.wait_from(t)
             return Step.PROGRESS if changed else Step.WAITING
-        self._close_wait(t)
+        self._wait_ends(t)
         return self._acted()
 
     def rung(self) -> bool:
         """After a WAITING iteration: only a neighbour's publish or proposal (or ``recheck_at``)
         can move this stage, not a send buffer coming free for tokens still owed."""
-        return self.sender is None or self.sent >= len(self.out)
+        return not self.outbox.owes(len(self.out))
 
     def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
         """Finish the iteration ``advance`` stopped at, with the forward's ``logits``
@@ -285,7 +233,7 @@ class StageLoop:
             joining=joining,
         )  # fmt: skip
         d = self.policy.decide(v, self._upstream_idle)
-        self.policy.observe_choice(v, d, self.stats, starts_wait=self.wait_t0 is None)
+        self.policy.observe_choice(v, d, self.stats, starts_wait=self.trace.wait_t0 is None)
         return d
 
     # ------------------------------------------------------------------ actions
@@ -301,7 +249,7 @@ class StageLoop:
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "own" and not self.inbox.advance(self.out, n0):
             self._bump_epoch()
-        self._spent(t0, t1, kind, 1)
+        self.trace.busy(t0, t1, kind, 1, len(self.prompt) + len(self.out))
 
     def _lookup(self, limit: int) -> bool:
         t0 = self.clock.now()
@@ -312,7 +260,7 @@ class StageLoop:
             return False
         self.stats.draft_steps += 1
         self._commit(toks, t1 - t0, self.verifier.point_masses(toks, self.vocab))
-        self._event(t0, t1, "draft", len(toks))
+        self.trace.event(t0, t1, "draft", len(toks), len(self.prompt) + len(self.out))
         return True
 
     def _verify(self, proposal: list[int], logits: torch.Tensor, t0: float) -> None:
@@ -329,24 +277,19 @@ class StageLoop:
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
             self._bump_epoch()
-        self._spent(t0, t1, "verify", n)
+        self.trace.busy(t0, t1, "verify", n, len(self.prompt) + len(self.out))
 
     def _commit(self, tokens: list[int], cost_s: float, dists: Sequence | None) -> None:
         if self.eos in tokens:
             tokens = tokens[: tokens.index(self.eos) + 1]
         tokens = tokens[: self.limit - len(self.out)]
         if self.sender is not None and self.verifier.carries_dists:
-            if dists is None or any(d is None for d in dists[: len(tokens)]):
-                raise ProtocolError(f"stage {self.role.stage}: a token to send has no distribution")
-            for k in range(len(tokens)):
-                self.rows[len(self.out) + k] = dists[k]
-        ahead0 = len(self.out) - (self.down.length if self.down is not None else 0)
-        self.ahead.extend(range(ahead0 + 1, ahead0 + 1 + len(tokens)))
+            self.outbox.hold(len(self.out), dists, len(tokens))
+        self.ledger.committed(len(self.out), self.down.length if self.down else 0, len(tokens), cost_s)
         self.out.extend(tokens)
-        self.cost.extend([cost_s / max(1, len(tokens))] * len(tokens))
         self.stats.committed(len(tokens), len(self.out))
         if self.role.is_last:
-            self.stats.commit_times.append([round(self.clock.now() - self.t_start, 6), len(self.out)])
+            self.trace.committed(self.clock.now(), len(self.out))
 
     # ------------------------------------------------------------------ neighbours
     def _sync_downstream(self) -> tuple[bool, bool]:
@@ -359,7 +302,7 @@ class StageLoop:
         if h.done:
             return True, False
         if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
-            self._fates(len(self.out), h.length)
+            self.ledger.judged(self.policy, len(self.out), h.length)
             return False, False
         h, theirs = self._read(self.win.snapshot, down)
         if h.prompt != self.seq:  # it finished and started the next prompt between the two reads
@@ -371,15 +314,13 @@ class StageLoop:
         old = len(self.out)
         a = adopt(self.out, theirs)
         tokens, keep = a.tokens, a.keep
-        if epoch_changed and not self.verifier.resendable and self.sent > len(theirs):
+        if epoch_changed and not self.verifier.resendable and self.outbox.sent > len(theirs):
             # Leviathan: a token travels at most once. What we sent beyond the downstream's tokens
             # may have been verified there; offered again it would get a second chance (a bias).
             tokens, keep = tokens[: len(theirs)], min(keep, len(theirs))
         discarded = old - keep
-        self._fates(keep, min(h.length, keep), thrown_to=old)
-        self.ahead = self.ahead[:keep] + [0] * (len(tokens) - keep)
-        self.stats.adopted(keep, old, len(tokens), sum(self.cost[keep:]) if discarded else 0.0)
-        self.cost = self.cost[:keep] + [0.0] * (len(tokens) - keep)
+        self.ledger.judged(self.policy, keep, min(h.length, keep), thrown_to=old)
+        self.stats.adopted(keep, old, len(tokens), self.ledger.adopted(keep, len(tokens)))
         self.out = tokens
         self.dirty_from = min(self.dirty_from, keep)
         # an idle flag said "nothing more for the tokens as they were": they changed, so it is
@@ -389,48 +330,19 @@ class StageLoop:
             self.model.truncate(len(self.prompt) + min(keep, len(self.out) - 1))
         if epoch_changed:
             self.seen_down_epoch = h.epoch
-            self.sent = min(len(self.out), len(theirs))
+            self.outbox.rewind(min(len(self.out), len(theirs)), len(self.out))
         else:
-            self.sent = len(theirs) if discarded else max(self.sent, len(theirs))
-        # distributions are kept exactly for the tokens still to send
-        self.rows = {p: r for p, r in self.rows.items() if self.sent <= p < len(self.out)}
+            sent = len(theirs) if discarded else max(self.outbox.sent, len(theirs))
+            self.outbox.rewind(sent, len(self.out))
         if self.role.upstream is not None and (discarded or not self.inbox.advance(self.out, old)):
             self._bump_epoch()
         self._publish()
         return False, True
 
-    def _fates(self, keep: int, confirmed: int, thrown_to: int = 0) -> None:
-        """Tell the policy the fate of our tokens the downstream has now judged: kept up to
-        ``confirmed``, thrown away from ``keep`` to ``thrown_to`` (the length before a rollback)."""
-        for i in range(self.fated, confirmed):
-            if self.ahead[i] > 0:
-                self.policy.fate(self.ahead[i], True)
-        for i in range(max(self.fated, keep), thrown_to):
-            if self.ahead[i] > 0:
-                self.policy.fate(self.ahead[i], False)
-        self.fated = min(max(self.fated, confirmed), keep)
-
     def _send_owed(self) -> bool:
         """Send the tokens the downstream has not got; False when there are none (or no buffer)."""
-        if self.sent >= len(self.out):
-            return False
-        toks = self.out[self.sent :]
-        dists = None
-        if self.verifier.carries_dists:
-            try:
-                dists = np.stack([self.rows[p] for p in range(self.sent, len(self.out))])
-            except KeyError as err:
-                raise ProtocolError(
-                    f"stage {self.role.stage}: no distribution for position {err.args[0]} to send"
-                ) from None
-        before = self.sender.bytes_sent
-        n = self.sender.try_send(self.seq, self.seen_down_epoch, self.sent, toks, dists)
-        self.stats.bytes_sent += self.sender.bytes_sent - before
-        self.stats.tokens_proposed += n
-        for p in range(self.sent, self.sent + n):
-            self.rows.pop(p, None)
-        self.sent += n
-        return n > 0
+        carries = self.verifier.carries_dists
+        return self.outbox.send(self.out, self.seq, self.seen_down_epoch, carries, self.stats)
 
     def _take_proposals(self) -> bool:
         msgs, dropped = self.mailbox.take(self.seq)
@@ -449,12 +361,8 @@ class StageLoop:
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
-        """The upstream (if any) can give no more for our tokens as they are: it says idle, about our
-        tokens as they are now (its header names the epoch and length of ours it had read). A
-        flag about an older version of them says nothing: believing one, the middle stage
-        stepped on its own while the suffix drafter's proposal for its new token was a header
-        read away. (The upstream's length cannot tell: a drafter running ahead on its own
-        unconfirmed drafts is longer than our tokens before it has read them; docs/protocol.md.)"""
+        """The upstream (if any) says idle about our tokens as they are now (its header names the
+        epoch and length of ours it had read): a flag about older tokens says nothing (docs/protocol.md)."""
         if self.role.upstream is None:
             return False
         h = self._read(self.win.header, self.role.upstream)
@@ -511,17 +419,5 @@ class StageLoop:
         self._publish()
         return True
 
-    def _spent(self, t0: float, t1: float, kind: str, n: int) -> None:
-        self.stats.busy_s += t1 - t0
-        self._event(t0, t1, kind, n)
-
-    def _event(self, t0: float, t1: float, kind: str, n: int) -> None:
-        if self.record_timeline:
-            self.stats.timeline.append([round(t0 - self.t_start, 6), round(t1 - self.t_start, 6),
-                                        kind, n, len(self.prompt) + len(self.out)])  # fmt: skip
-
-    def _close_wait(self, t: float) -> None:
-        if self.wait_t0 is not None:
-            self.stats.wait_s += t - self.wait_t0
-            self._event(self.wait_t0, t, "wait", 0)
-            self.wait_t0 = None
+    def _wait_ends(self, t: float) -> None:
+        self.trace.wait_ends(t, len(self.prompt) + len(self.out))

@@ -18,6 +18,26 @@ import numpy as np
 import torch
 
 
+class ProtocolError(RuntimeError):
+    """An invariant of the stage protocol broke (a bug, never a user error)."""
+
+
+@dataclass(frozen=True)
+class StageRole:
+    """Where a stage sits: its index among ``n_stages``, its rank and its neighbours' ranks."""
+
+    stage: int
+    n_stages: int
+    rank: int
+    upstream: int | None
+    downstream: int | None
+    upstream_free: bool = False  # the upstream is a model-free drafter (prompt lookup, suffix)
+
+    @property
+    def is_last(self) -> bool:
+        return self.downstream is None
+
+
 @dataclass(frozen=True)
 class Proposal:
     """Tokens a stage sends downstream: ``tokens`` from position ``start`` of prompt ``prompt``,
@@ -126,3 +146,14 @@ class Proposer(Protocol):
     def end_sequence(self, output: Sequence[int]) -> dict:
         """The sequence is over with these committed tokens (as far as this stage knows them);
         returns the drafter's own counters for the stage's stats ({} if it keeps none)."""
+
+
+@dataclass(frozen=True)
+class StagePorts:
+    """What a stage talks through: the epochs window, its clock, and the proposal channels to its
+    downstream (``sender``) and from its upstream (``receiver``), None at the pipeline's ends."""
+
+    window: Window
+    clock: Clock
+    sender: Sender | None = None
+    receiver: Receiver | None = None

@@ -113,6 +113,46 @@ class StageStats:
         return self.tokens_generated + self.tokens_adopted - self.tokens_discarded - final
 
 
+class Trace:
+    """Where a stage's time goes on one prompt, kept in its ``StageStats``: busy and waiting,
+    and (``record``) a timeline of its prefill, forwards and waits from the prompt's start."""
+
+    def __init__(self, stats: StageStats, record: bool) -> None:
+        self.stats, self.record = stats, record
+        self.t_start = 0.0
+        self.wait_t0: float | None = None  # when the current wait began (None: not waiting)
+
+    def start(self, t: float) -> None:
+        """The prompt starts at ``t`` on the stage's clock."""
+        self.t_start = self.stats.t0_perf_counter = t
+
+    def event(self, t0: float, t1: float, kind: str, n: int, context: int) -> None:
+        """A span of ``kind`` over ``n`` tokens, the sequence ``context`` long at its end."""
+        if self.record:
+            self.stats.timeline.append([round(t0 - self.t_start, 6), round(t1 - self.t_start, 6),
+                                        kind, n, context])  # fmt: skip
+
+    def busy(self, t0: float, t1: float, kind: str, n: int, context: int) -> None:
+        """A forward from ``t0`` to ``t1``."""
+        self.stats.busy_s += t1 - t0
+        self.event(t0, t1, kind, n, context)
+
+    def wait_from(self, t: float) -> None:
+        """The stage waits since ``t`` unless it already did."""
+        if self.wait_t0 is None:
+            self.wait_t0 = t
+
+    def wait_ends(self, t: float, context: int) -> None:
+        if self.wait_t0 is not None:
+            self.stats.wait_s += t - self.wait_t0
+            self.event(self.wait_t0, t, "wait", 0, context)
+            self.wait_t0 = None
+
+    def committed(self, t: float, length: int) -> None:
+        """The last stage's sequence reached ``length`` tokens at ``t``."""
+        self.stats.commit_times.append([round(t - self.t_start, 6), length])
+
+
 @dataclass
 class StageOutcome:
     tokens: list[int]

@@ -11,8 +11,7 @@ from typing import Protocol
 from pipespec_mpi.comm.wire import META
 from pipespec_mpi.simulate.explore.scenarios import ExJob, Scenario
 from pipespec_mpi.speculative.goodput import MAX_POSITIONS, Estimates, RowCost, RowLine
-from pipespec_mpi.stage.loop import StageRole
-from pipespec_mpi.stage.ports import Header, Proposal
+from pipespec_mpi.stage.ports import Header, Proposal, StageRole
 from pipespec_mpi.stage.stats import StageOutcome
 
 

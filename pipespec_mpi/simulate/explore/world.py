@@ -35,8 +35,8 @@ from pipespec_mpi.speculative.policy import make_policy
 from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
-from pipespec_mpi.stage.loop import StageLoop, StageRole, Step
-from pipespec_mpi.stage.ports import Header, Proposal, Proposer, Scorer
+from pipespec_mpi.stage.loop import StageLoop, Step
+from pipespec_mpi.stage.ports import Header, Proposal, Proposer, Scorer, StagePorts, StageRole
 from pipespec_mpi.stage.process import StageProcess
 from pipespec_mpi.stage.stats import StageOutcome
 
@@ -126,9 +126,13 @@ class World:
                 chaos = None
                 if sc.chaos:
                     chaos = ChaosEstimates(random.Random(f"chaos:{sc.family}:{sc.seed}:{n}"))
+                ports = StagePorts(
+                    ExWindow(self, role), clock,
+                    sender=ExSender(self, n) if i < k - 1 else None,
+                    receiver=ExReceiver(self, n) if i else None,
+                )  # fmt: skip
                 loop = StageLoop(
-                    role, self.parts.model(i), ExWindow(self, role), ExSender(self, n) if i < k - 1 else None,
-                    ExReceiver(self, n) if i else None, clock, sc.decode, self.eos, vocab=sc.vocab,
+                    role, self.parts.model(i), ports, sc.decode, self.eos, vocab=sc.vocab,
                     record_timeline=False, policy=make_policy(sc.decode, clock.now, chaos),
                 )  # fmt: skip
                 slots.append(
@@ -301,8 +305,9 @@ class World:
             lp = p.loop
             extra = ""
             if p.phase == "decode":
-                extra = (f" out={len(lp.out)} sent={lp.sent} epoch={lp.epoch} seen_down={lp.seen_down_epoch}"
-                         f" pending={len(lp.inbox.tokens)} want={lp.want} idle={lp.idle}")  # fmt: skip
+                extra = (f" out={len(lp.out)} sent={lp.outbox.sent} epoch={lp.epoch}"
+                         f" seen_down={lp.seen_down_epoch} pending={len(lp.inbox.tokens)}"
+                         f" want={lp.want} idle={lp.idle}")  # fmt: skip
             parts.append(f"[{p.describe()}{extra}]")
         links = [f"{len(ln.queue)} queued" for ln in self.links]
         return " ".join(parts) + f" links: {links}"

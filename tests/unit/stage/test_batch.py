@@ -171,6 +171,7 @@ def test_a_batched_stage_sleeps_on_its_bell_only_when_every_live_slot_does():
     from types import SimpleNamespace
 
     from pipespec_mpi.stage.loop import StageLoop
+    from pipespec_mpi.stage.outbox import Outbox
 
     def slot(rung: bool, at: float | None) -> SimpleNamespace:
         return SimpleNamespace(rung=lambda: rung, recheck_at=at)
@@ -181,10 +182,12 @@ def test_a_batched_stage_sleeps_on_its_bell_only_when_every_live_slot_does():
     stage.done[2] = True  # a finished slot waits for nothing
     assert stage.rung() and stage.recheck_at == 3.0
     # a stage loop owing tokens a send buffer has no room for yet is not moved by a ring alone
-    owing = SimpleNamespace(sender=object(), finish_reason=None, sent=1, out=[7, 8])
+    owing = SimpleNamespace(outbox=Outbox(0, sender=object()), out=[7, 8])
+    owing.outbox.sent = 1
     assert not StageLoop.rung(owing)
-    assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sent": 2}))
-    assert StageLoop.rung(SimpleNamespace(**{**vars(owing), "sender": None}))
+    owing.outbox.sent = 2
+    assert StageLoop.rung(owing)
+    assert StageLoop.rung(SimpleNamespace(outbox=Outbox(0, sender=None), out=[7, 8]))
 
 
 def test_a_batched_stage_is_patient_only_when_every_live_slot_is():

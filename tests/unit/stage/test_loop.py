@@ -9,31 +9,9 @@ from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.run.drive import drive
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.speculative.verifiers import Greedy
-from pipespec_mpi.stage.loop import Forward, Mailbox, StageLoop, StageRole, Step
-from pipespec_mpi.stage.ports import Header, Proposal
+from pipespec_mpi.stage.loop import Forward, StageLoop, Step
+from pipespec_mpi.stage.ports import Header, StagePorts, StageRole
 from pipespec_mpi.stage.wait import StallError
-
-
-class ListReceiver:
-    def __init__(self, msgs):
-        self.msgs = list(msgs)
-
-    def poll(self):
-        out, self.msgs = self.msgs, []
-        return out
-
-
-def msg(prompt: int, start: int = 0) -> Proposal:
-    return Proposal(prompt, 0, start, [1])
-
-
-def test_mailbox_keeps_proposals_of_a_prompt_not_started_yet():
-    box = Mailbox(ListReceiver([msg(1), msg(2), msg(3, 0), msg(3, 1)]))
-    box.pump()  # while waiting at the gate of prompt 2
-    mine, dropped = box.take(2)
-    assert [m.prompt for m in mine] == [2] and dropped == 1
-    mine, dropped = box.take(3)
-    assert [m.start for m in mine] == [0, 1] and dropped == 0
 
 
 class Script:
@@ -111,7 +89,7 @@ def test_a_drafter_drafts_from_the_job_store_its_job_names():
 
     drafter = SuffixDrafter("suffix")
     role = StageRole(0, 2, rank=0, upstream=None, downstream=1)
-    loop = StageLoop(role, drafter, HeaderBoard(), None, None, Ticks(), DecodeConfig(max_new_tokens=4), 0)
+    loop = StageLoop(role, drafter, StagePorts(HeaderBoard(), Ticks()), DecodeConfig(max_new_tokens=4), 0)
     for seq, key in ((1, "pipespec:warmup"), (2, "pipespec:b4"), (3, None)):
         loop.reset(seq)
         loop.begin([3, 4, 5], "pipespec", Greedy(), store_key=key)
@@ -127,7 +105,7 @@ def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     board = HeaderBoard()
     cfg = DecodeConfig(policy="static", wait_for_drafter=True, max_new_tokens=8)
     role = StageRole(1, 3, rank=1, upstream=0, downstream=2, upstream_free=True)
-    loop = StageLoop(role, CountingScorer(), board, None, None, Ticks(), cfg, eos_token_id=0)
+    loop = StageLoop(role, CountingScorer(), StagePorts(board, Ticks()), cfg, eos_token_id=0)
     loop.reset(1)
     loop.begin([3, 4], "pipespec", Greedy())
     board.headers[2] = Header(1, 0, 0, False, 0, False)  # the target: started, nothing committed

@@ -15,7 +15,8 @@ from pipespec_mpi.simulate.explore import FAMILIES, ExGate, Parts, Scenario, Wor
 from pipespec_mpi.speculative import goodput
 from pipespec_mpi.speculative import policy as policy_module
 from pipespec_mpi.speculative.verifiers import AcceptAll, Leviathan
-from pipespec_mpi.stage.loop import Mailbox, StageLoop
+from pipespec_mpi.stage.loop import StageLoop
+from pipespec_mpi.stage.mailbox import Mailbox
 
 from ...speculative.test_sampling_power import tiny_parts
 
