@@ -1,8 +1,8 @@
-"""Shared helpers: launch the real app under the venv's mpirun, with a timeout."""
+"""Shared helpers: launch the real app under the venv's mpirun, with a timeout, and read its
+records (pipespec_mpi.records)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from pipespec_mpi.records import RESULTS, Record, read_records
+
 ROOT = Path(__file__).resolve().parents[1]
 MPIRUN = Path(sys.executable).parent / "mpirun"
+METHODS = ("ar", "sd", "pipespec")  # run.methods' default
 LONG = "long tier (CI's 30 minutes hold the rest): bash scripts/test.sh --long runs it"
 
 
@@ -42,10 +45,13 @@ def launch(
         pytest.fail(f"mpirun timed out after {timeout} s: {' '.join(cmd)}\n{err.stdout}\n{err.stderr}")
 
 
-def launch_ok(n: int, overrides: list[str], run_dir: Path, timeout: float = 240, env=None) -> list[dict]:
+def launch_ok(
+    n: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None
+) -> list[Record]:
+    """``launch``, checked to exit 0: the run's records (results.jsonl)."""
     proc = launch(n, overrides, run_dir, timeout, env)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return read_results(run_dir)
+    return read_records(Path(run_dir) / RESULTS)
 
 
 def run_ranks(script: str, n: int, args: list[str], timeout: float = 120) -> str:
@@ -60,32 +66,34 @@ def run_ranks(script: str, n: int, args: list[str], timeout: float = 120) -> str
     return proc.stdout
 
 
-def read_results(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def outputs_by_method(records: list[dict]) -> dict[str, dict[tuple, list[int]]]:
+def outputs_by_method(records: list[Record]) -> dict[str, dict[tuple, list[int]]]:
+    """method -> (prompt, warm-up) -> output ids."""
     out: dict[str, dict[tuple, list[int]]] = {}
     for r in records:
-        out.setdefault(r["method"], {})[(r["prompt_id"], r["warmup"])] = r["output_ids"]
+        out.setdefault(r.method, {})[(r.prompt_id, r.warmup)] = r.output_ids
     return out
 
 
-def outputs(recs: list[dict]) -> dict[tuple[str, int], dict[tuple, list[int]]]:
+def outputs(recs: list[Record]) -> dict[tuple[str, int], dict[tuple, list[int]]]:
     """(method, batch size) -> (prompt, sample) -> output ids, warm-ups left out."""
     out: dict[tuple[str, int], dict[tuple, list[int]]] = {}
     for r in recs:
-        if not r["warmup"]:
-            out.setdefault((r["method"], r["batch_size"]), {})[(r["prompt_id"], r["sample_idx"])] = r[
-                "output_ids"
-            ]
+        if not r.warmup:
+            out.setdefault((r.method, r.batch_size), {})[(r.prompt_id, r.sample_idx)] = r.output_ids
     return out
 
 
-def assert_all_equal_ar(recs: list[dict], groups: set[tuple[str, int]]) -> None:
+def assert_all_equal_ar(recs: list[Record], groups: set[tuple[str, int]]) -> None:
+    """Greedy losslessness: the records are exactly ``groups`` (method, batch size), each with
+    AR's outputs at its smallest batch size, prompt for prompt; the warm-ups (batch 1, uncounted)
+    equal AR's warm-ups."""
     by = outputs(recs)
     assert set(by) == groups
     ref = by[min(g for g in groups if g[0] == "ar")]
     for g, outs in by.items():
         assert outs == ref, f"{g} differs from AR"
+    warm = outputs_by_method([r for r in recs if r.warmup])
+    if warm:
+        assert set(warm) == {m for m, _ in groups}
+        for m, outs in warm.items():
+            assert outs == warm["ar"], f"{m}'s warm-up differs from AR's"

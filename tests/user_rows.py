@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipespec_mpi.records import RESULTS, read_records
+
 TOPICS = ["the draft model", "a verify stage", "rank cache epoch", "pipeline node cluster"]
 
 
@@ -42,6 +44,6 @@ def write_rows(folder: Path) -> dict[str, dict]:
 
 def answered(run_dir: Path) -> tuple[list[str], list[str]]:
     """The ids of results.jsonl's records and of errors.jsonl's rows."""
-    results = [json.loads(x)["prompt_id"] for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    results = [r.prompt_id for r in read_records(run_dir / RESULTS)]
     errors = [json.loads(x) for x in (run_dir / "errors.jsonl").read_text().splitlines()]
     return results, [e["id"] if e["id"] is not None else str(e["position"]) for e in errors]

@@ -9,6 +9,8 @@ import json
 import pytest
 from conftest import launch_ok
 
+from pipespec_mpi.records import Record
+
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TINY = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=3", "decode.max_new_tokens=32"]
 QUICK = [
@@ -19,8 +21,9 @@ QUICK = [
 ]
 
 
-def outputs(records):
-    return {r["prompt_id"]: r["output_ids"] for r in records}
+def outputs(records: list[Record]) -> dict[str, list[int]]:
+    """prompt -> output ids."""
+    return {r.prompt_id: r.output_ids for r in records}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert plan["from_cache"] == []
     assert plan["chosen"]["method"] in ("ar", "sd", "pipespec")
     assert plan["chosen"]["pipeline"][-1] == "tiny-target-4L"
-    assert {r["method"] for r in first} == {plan["chosen"]["method"]}
+    assert {r.method for r in first} == {plan["chosen"]["method"]}
     assert outputs(first) == ar  # greedy: whatever was chosen, the target's own output
     assert plan["measured_ms_per_token"][plan["chosen"]["method"]] > 0
     assert "tiny-draft-1L -> tiny-target-4L" in plan["rates"]
@@ -69,7 +72,7 @@ def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, 
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
     assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]" and plan["runs"]["methods"] == ["ar"]
-    assert {r["method"] for r in recs} == {"ar"} and outputs(recs) == ar
+    assert {r.method for r in recs} == {"ar"} and outputs(recs) == ar
     logs = "".join(p.read_text() for p in (tmp_path / "auto").glob("rank*.log"))
     assert "rank 1 is spare" in logs and "rank 2 is spare" in logs
 
@@ -86,7 +89,7 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path, ar):
     chosen = plan["chosen"]
     assert chosen["batch_size"] in (1, 3)
     assert {o["batch_size"] for o in plan["options"]} == {1, 3}
-    assert {(r["method"], r["batch_size"]) for r in recs} == {(chosen["method"], chosen["batch_size"])}
+    assert {(r.method, r.batch_size) for r in recs} == {(chosen["method"], chosen["batch_size"])}
     assert outputs(recs) == ar
     assert plan["measured_vs_predicted"] > 0  # the measured group (method at its batch size) was found
     if chosen["method"] == "ar":  # the fallback names the best AR's batch size

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import MPIRUN, ROOT, launch_ok, read_results
+from conftest import MPIRUN, ROOT, launch_ok
 
+from pipespec_mpi.records import RESULTS, Record, read_records
 from pipespec_mpi.run.drain import EXIT_DRAINED
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -25,8 +26,8 @@ OVERRIDES = ["hierarchy=tiny2", "dataset=synthetic", "dataset.n_prompts=10", "de
              "run.mode=benchmark", "run.methods=[ar,pipespec]", "run.progress=false"]  # fmt: skip
 
 
-def key(r: dict) -> tuple:
-    return (r["prompt_id"], r["method"], r["warmup"], r["sample_idx"], r["batch_size"])
+def key(r: Record) -> tuple:
+    return (r.prompt_id, r.method, r.warmup, r.sample_idx, r.batch_size)
 
 
 def start(n: int, run_dir: Path, extra: list[str]) -> subprocess.Popen:
@@ -75,12 +76,12 @@ def test_a_stopped_job_resumes_to_the_uninterrupted_results(tmp_path, how, n, ex
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == EXIT_DRAINED, out[-3000:]
     assert "stopped on request" in out and "run.resume=true" in out
-    first = read_results(run_dir)
+    first = read_records(run_dir / RESULTS)
     assert 0 < len(first) < len(full)
     if extra:
-        assert any(r["batch_size"] == 3 for r in first)
-    want = {key(r): r["output_ids"] for r in full}
-    assert all(want[key(r)] == r["output_ids"] for r in first)  # whole prompts, right ones
+        assert any(r.batch_size == 3 for r in first)
+    want = {key(r): r.output_ids for r in full}
+    assert all(want[key(r)] == r.output_ids for r in first)  # whole prompts, right ones
     resumed = launch_ok(n, [*OVERRIDES, *extra, "run.resume=true"], run_dir)
-    assert {key(r): r["output_ids"] for r in resumed} == want
+    assert {key(r): r.output_ids for r in resumed} == want
     assert not (run_dir / "STOP").exists()

@@ -22,8 +22,8 @@ TINY = ["hierarchy=tiny", "dataset=synthetic", "decode.max_new_tokens=24"]
 def test_two_replicas_give_the_same_prompts_and_outputs_as_one(tmp_path):
     one = launch_ok(3, [*TINY, "dataset.n_prompts=5"], tmp_path / "one")
     two = launch_ok(6, [*TINY, "dataset.n_prompts=5"], tmp_path / "two")
-    assert {r["replica"] for r in two} == {0, 1}
-    as_map = lambda rs: {r["prompt_id"]: r["output_ids"] for r in rs}  # noqa: E731
+    assert {r.replica for r in two} == {0, 1}
+    as_map = lambda rs: {r.prompt_id: r.output_ids for r in rs}  # noqa: E731
     assert as_map(one) == as_map(two) and len(as_map(one)) == 5
 
 
@@ -35,9 +35,9 @@ def test_jsonl_dataset(tmp_path):
         ["hierarchy=tiny", "dataset=jsonl", f"dataset.path={data}", "decode.max_new_tokens=8"],
         tmp_path / "run",
     )
-    assert sorted(r["prompt_id"] for r in recs) == ["1", "add"]
-    first = next(r for r in recs if r["prompt_id"] == "add")
-    assert first["prompt_ids"] == [256, *b"def add(a, b):"]
+    assert sorted(r.prompt_id for r in recs) == ["1", "add"]
+    first = next(r for r in recs if r.prompt_id == "add")
+    assert first.prompt_ids == [256, *b"def add(a, b):"]
 
 
 def _run_bg(overrides, run_dir, env=None):
@@ -55,7 +55,7 @@ def _run_bg(overrides, run_dir, env=None):
 
 def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
     args = [*TINY, "dataset.n_prompts=6", "decode.max_new_tokens=200", "method=pipespec"]
-    full = {r["prompt_id"]: r["output_ids"] for r in launch_ok(3, args, tmp_path / "full")}
+    full = {r.prompt_id: r.output_ids for r in launch_ok(3, args, tmp_path / "full")}
     run_dir = tmp_path / "killed"
     proc = _run_bg([*args, "dataset.round_rows=4"], run_dir)  # the kill comes in the first round
     part = run_dir / "parts" / "replica-0.jsonl"
@@ -69,7 +69,7 @@ def test_resume_after_kill_gives_the_uninterrupted_results(tmp_path):
     with open(part, "a") as f:  # as if the kill had come in the middle of writing a record
         f.write('{"prompt_id": "torn", "replica": 0, "meth')
     resumed = launch_ok(3, [*args, "run.resume=true", "dataset.round_rows=2"], run_dir)  # over rounds
-    got = {r["prompt_id"]: r["output_ids"] for r in resumed}
+    got = {r.prompt_id: r.output_ids for r in resumed}
     assert got == full
     assert len(resumed) == 6  # each prompt once: the finished ones were skipped, not redone
     assert "torn" not in part.read_text()  # cut before the resumed run appended

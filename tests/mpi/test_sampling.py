@@ -42,8 +42,8 @@ def sample_pairs(
         timeout=600,
     )  # fmt: skip
     assert len(recs) == N
-    assert sum(r["stages"][-1]["tokens_accepted"] for r in recs) > 0  # verification happened
-    return [tuple(r["output_ids"][:2]) for r in recs]
+    assert sum(r.stages[-1].tokens_accepted for r in recs) > 0  # verification happened
+    return [tuple(r.output_ids[:2]) for r in recs]
 
 
 # The tiny models' distributions are nearly flat over 260 ids at temperature 1, so top-k keeps
@@ -92,7 +92,7 @@ def test_leviathan_ar_is_reproducible_and_distributions_travel(tmp_path):
             "sampling.num_samples=2"]  # fmt: skip
     ra, rb = launch_ok(3, args, tmp_path / "a"), launch_ok(3, args, tmp_path / "b")
     assert outputs_by_method(ra)["ar"] == outputs_by_method(rb)["ar"]
-    ps = [r for r in ra if r["method"] == "pipespec"]
-    sent = sum(r["stages"][0]["bytes_sent"] for r in ps)
-    proposed = sum(r["stages"][0]["tokens_proposed"] for r in ps)
+    ps = [r for r in ra if r.method == "pipespec"]
+    sent = sum(r.stages[0].bytes_sent for r in ps)
+    proposed = sum(r.stages[0].tokens_proposed for r in ps)
     assert proposed > 0 and sent >= proposed * 260 * 4  # a float32 row of V=260 per token

@@ -14,6 +14,8 @@ import pytest
 from conftest import launch, launch_ok
 from user_rows import answered, write_rows
 
+from pipespec_mpi.records import RESULTS, read_records
+
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
@@ -29,16 +31,16 @@ def test_a_parquet_and_an_openai_batch_file_through_two_replicas(tmp_path):
     results, errors = answered(tmp_path / "spec")
     assert sorted(results + errors) == sorted(rows), (results, errors)  # every row once
     assert sorted(errors) == ["9", "req-bad"]
-    assert {r["replica"] for r in records} == {0, 1}
-    by_id = {r["prompt_id"]: r for r in records}
+    assert {r.replica for r in records} == {0, 1}
+    by_id = {r.prompt_id: r for r in records}
     for i in range(4):
         chat = by_id[f"chat-{i}"]
-        assert chat["request"] == "chat" and chat["max_new_tokens"] == 6 + i
-        assert chat["n_new_tokens"] <= 6 + i and chat["temperature"] == (0.7 if i == 3 else 0.0)
-        assert by_id[f"req-{i}"]["openai"] and by_id[f"req-{i}"]["max_new_tokens"] == 10
+        assert chat.request == "chat" and chat.max_new_tokens == 6 + i
+        assert chat.n_new_tokens <= 6 + i and chat.temperature == (0.7 if i == 3 else 0.0)
+        assert by_id[f"req-{i}"].openai and by_id[f"req-{i}"].max_new_tokens == 10
     table = pq.read_table(tmp_path / "spec" / "results.parquet").to_pylist()
     assert sorted(t["id"] for t in table) == sorted(results)
-    assert all(t["output_ids"] == by_id[t["id"]]["output_ids"] for t in table)
+    assert all(t["output_ids"] == by_id[t["id"]].output_ids for t in table)
 
     # the same rows decoded by the target alone, written as OpenAI batch output
     launch_ok(2, [*common, "method=ar", "run.output_format=openai"], tmp_path / "ar", timeout=300)
@@ -48,12 +50,11 @@ def test_a_parquet_and_an_openai_batch_file_through_two_replicas(tmp_path):
     assert ar["req-bad"]["response"] is None and "non-empty list" in ar["req-bad"]["error"]["message"]
     assert ar["chat-0"]["response"]["body"]["object"] == "chat.completion"
     assert ar["req-0"]["response"]["body"]["object"] == "text_completion"
-    ar_records = {r["prompt_id"]: r for r in json.loads("[" + ",".join(
-        (tmp_path / "ar" / "results.jsonl").read_text().splitlines()) + "]")}  # fmt: skip
+    ar_records = {r.prompt_id: r for r in read_records(tmp_path / "ar" / RESULTS)}
     # greedy rows token for token; the sampled one too: under the gumbel coupling every method
     # draws with the same noise, so PipeSpec's sample is the target's own
-    assert {rid: r["output_ids"] for rid, r in by_id.items()} == {
-        rid: ar_records[rid]["output_ids"] for rid in by_id
+    assert {rid: r.output_ids for rid, r in by_id.items()} == {
+        rid: ar_records[rid].output_ids for rid in by_id
     }
 
 

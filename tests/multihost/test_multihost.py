@@ -18,7 +18,9 @@ from pathlib import Path
 
 import netbed
 import pytest
-from conftest import ROOT, outputs_by_method, read_results
+from conftest import ROOT, outputs_by_method
+
+from pipespec_mpi.records import RESULTS, Record, read_records
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.multihost]
 
@@ -45,15 +47,15 @@ def run_on(bed, n: int, ppn: int, command: list[str], timeout: float = 240) -> s
         pytest.fail(f"timed out after {timeout} s: {' '.join(argv)}\n{err.stdout}\n{err.stderr}")
 
 
-def app(bed, n: int, ppn: int, overrides: list[str], run_dir: Path) -> list[dict]:
+def app(bed, n: int, ppn: int, overrides: list[str], run_dir: Path) -> list[Record]:
     proc = run_on(
         bed, n, ppn, [PY, "-m", "pipespec_mpi", *overrides, "run.progress=false", f"hydra.run.dir={run_dir}"]
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return read_results(run_dir)
+    return read_records(run_dir / RESULTS)
 
 
-def assert_lossless(recs: list[dict], methods: list[str]) -> None:
+def assert_lossless(recs: list[Record], methods: list[str]) -> None:
     by = outputs_by_method(recs)
     assert sorted(by) == sorted(methods)
     for m in methods:
@@ -108,12 +110,12 @@ def test_a_pipeline_across_hosts_is_lossless(bed, tmp_path, transport, window, e
     )  # fmt: skip
     assert_lossless(recs, methods)
     for r in recs:
-        assert r["epochs_window"] == expect_window
-        assert r["transport"] == transport
-        assert r["hosts"] == ["pstest-h0", "pstest-h0", "pstest-h1"]
-    ps = [r for r in recs if r["method"] == "pipespec"]
-    assert sum(r["stages"][-1]["rollbacks_signalled"] for r in ps) > 0  # rollbacks crossed hosts
-    assert sum(r["stages"][-1]["tokens_accepted"] for r in ps) > 0
+        assert r.epochs_window == expect_window
+        assert r.transport == transport
+        assert r.hosts == ["pstest-h0", "pstest-h0", "pstest-h1"]
+    ps = [r for r in recs if r.method == "pipespec"]
+    assert sum(r.stages[-1].rollbacks_signalled for r in ps) > 0  # rollbacks crossed hosts
+    assert sum(r.stages[-1].tokens_accepted for r in ps) > 0
 
 
 @pytest.mark.long
@@ -125,12 +127,12 @@ def test_every_stage_on_its_own_host_with_leviathan_sampling(bed, tmp_path):
          "dataset.n_prompts=2"],
         tmp_path,
     )  # fmt: skip
-    assert {tuple(r["hosts"]) for r in recs} == {("pstest-h0", "pstest-h1", "pstest-h2")}
-    assert all(r["epochs_window"] == "push" for r in recs)
+    assert {tuple(r.hosts) for r in recs} == {("pstest-h0", "pstest-h1", "pstest-h2")}
+    assert all(r.epochs_window == "push" for r in recs)
     # Sampled outputs depend on when each stage draws, so a sequence may sample EOS (id 257 of
     # the tiny vocabulary, about 1 run in 2 here): it ends early, and only then.
     for r in recs:
-        assert (r["finish_reason"], r["n_new_tokens"] == 24) in {("length", True), ("eos", False)}, r
+        assert (r.finish_reason, r.n_new_tokens == 24) in {("length", True), ("eos", False)}, r
 
 
 @pytest.mark.long
@@ -144,14 +146,14 @@ def test_replicas_on_different_hosts_share_the_prompts(bed, tmp_path):
         tmp_path,
     )  # fmt: skip
     assert_lossless(recs, ["ar", "pipespec"])
-    hosts = {r["replica"]: tuple(r["hosts"]) for r in recs}
+    hosts = {r.replica: tuple(r.hosts) for r in recs}
     assert hosts == {0: ("pstest-h0",) * 3, 1: ("pstest-h1",) * 3}
-    assert all(r["epochs_window"] == "shared" for r in recs)
-    counted = {(r["prompt_id"], r["replica"]) for r in recs if not r["warmup"]}
+    assert all(r.epochs_window == "shared" for r in recs)
+    counted = {(r.prompt_id, r.replica) for r in recs if not r.warmup}
     assert {rep for _, rep in counted} == {0, 1}
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["pipespec"]["n_prompts"] + summary["ar"]["n_prompts"] == len(
-        [r for r in recs if not r["warmup"]]
+        [r for r in recs if not r.warmup]
     )
 
 

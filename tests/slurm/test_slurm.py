@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 from user_rows import write_rows
 
+from pipespec_mpi.records import RESULTS, Record, read_records
+
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm")]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,16 +315,16 @@ def jobs(slurm, tmp_path_factory, request):
             (ROOT / "outputs" / "slurm").rmdir()
 
 
-def check_run_dir(run_dir: Path, n_results: int, n_ranks: int, context: str = "") -> list[dict]:
+def check_run_dir(run_dir: Path, n_results: int, n_ranks: int, context: str = "") -> list[Record]:
     """results.jsonl with one line per prompt, each with every stage's statistics, and exactly
     one log per rank: the ranks formed one world of n_ranks (singletons would all be rank 0)."""
-    results_path = run_dir / "results.jsonl"
+    results_path = run_dir / RESULTS
     assert results_path.exists(), f"no {results_path}\n{context}"
-    results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+    results = read_records(results_path)
     assert len(results) == n_results, f"{len(results)} results in {results_path}\n{context}"
     for r in results:
-        assert len(r["stages"]) == 3 and r["n_new_tokens"] > 0, r
-        assert r["hierarchy"] == "tiny"
+        assert len(r.stages) == 3 and r.n_new_tokens > 0, r
+        assert r.hierarchy == "tiny"
     logs = sorted(p.name for p in run_dir.glob("rank*.log"))
     assert logs == sorted(f"rank{i}.log" for i in range(n_ranks)), f"{logs}\n{context}"
     return results
@@ -344,7 +346,7 @@ def test_sbatch_runs_one_pipeline_of_three_ranks(jobs):
     assert out.count("[pipespec_mpi] results in") == 1, out
     run_dir = ROOT / "outputs" / "slurm" / job.job_id
     results = check_run_dir(run_dir, n_results=2, n_ranks=3, context=out)
-    assert {r["prompt_id"] for r in results} == {"synthetic/0", "synthetic/1"}
+    assert {r.prompt_id for r in results} == {"synthetic/0", "synthetic/1"}
     (slurm_run,) = json.loads((run_dir / "slurm.json").read_text())  # the job's accounting
     assert slurm_run["job_id"] == job.job_id and slurm_run["n_tasks"] == 3, slurm_run
     assert slurm_run["node_list"] and slurm_run["restart_count"] == 0, slurm_run
@@ -358,7 +360,7 @@ def test_sbatch_runs_two_replicas_in_one_job(jobs):
     assert "6 tasks" in out, out
     run_dir = ROOT / "outputs" / "slurm" / job.job_id
     results = check_run_dir(run_dir, n_results=2, n_ranks=6, context=out)
-    assert sorted(r["replica"] for r in results) == [0, 1], results  # one prompt per replica
+    assert sorted(r.replica for r in results) == [0, 1], results  # one prompt per replica
     shutil.rmtree(run_dir)
 
 
@@ -372,7 +374,7 @@ def test_array_tasks_decode_disjoint_shards(jobs):
     ids = []
     for shard in (0, 1):
         results = check_run_dir(base / f"shard-{shard}", n_results=1, n_ranks=3, context=out)
-        ids += [r["prompt_id"] for r in results]
+        ids += [r.prompt_id for r in results]
     assert sorted(ids) == ["synthetic/0", "synthetic/1"], ids
     shutil.rmtree(base)
 
@@ -401,8 +403,8 @@ def test_an_unfinished_shard_is_resubmitted_alone_and_the_shards_merge(jobs, tmp
     assert run([*shards, "status", str(base)], timeout=60, cwd=ROOT).returncode == 0
     merged = run([*shards, "merge", str(base)], timeout=60, cwd=ROOT)
     assert merged.returncode == 0, merged.stdout + merged.stderr
-    results = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines() if x.strip()]
-    assert sorted(r["prompt_id"] for r in results) == ["synthetic/0", "synthetic/1", "synthetic/2"]
+    results = read_records(base / RESULTS)
+    assert sorted(r.prompt_id for r in results) == ["synthetic/0", "synthetic/1", "synthetic/2"]
     assert json.loads((base / "summary.json").read_text())["pipespec"]["n_prompts"] == 3
     shutil.rmtree(base)
 
@@ -442,8 +444,8 @@ def test_an_array_over_the_users_files_answers_every_row_once_after_a_killed_sha
     assert len(answered) == len(rows) - 2
     errors = [json.loads(x) for x in (base / "errors.jsonl").read_text().splitlines()]
     assert sorted(e["id"] or str(e["position"]) for e in errors) == ["9", "req-bad"]
-    results = [json.loads(x) for x in (base / "results.jsonl").read_text().splitlines()]
-    assert sorted(r["prompt_id"] for r in results) == sorted(answered)
+    results = read_records(base / RESULTS)
+    assert sorted(r.prompt_id for r in results) == sorted(answered)
     shutil.rmtree(base)
 
 
@@ -469,7 +471,7 @@ def test_submitit_sweep_runs_each_job_as_one_mpi_world(jobs):
     assert rc == 0, context
     for num, lookahead in ((0, 0), (1, 2)):
         results = check_run_dir(sweep.dir / str(num), n_results=2, n_ranks=3, context=context)
-        assert {r["window"] for r in results} == {lookahead}, results
+        assert {r.window for r in results} == {lookahead}, results
     # Three Slurm tasks per sweep job (one per rank), all from one job array.
     task_logs = sorted(p.name for p in (sweep.dir / ".submitit").glob("*_*/*_log.out"))
     assert len(task_logs) == 6, task_logs
@@ -515,11 +517,11 @@ def test_a_job_at_its_time_limit_stops_requeues_and_resumes_to_complete_results(
     )
     assert "USR2 at" in out and "requeueing job" in out and "(restart 1)" in out, out
     run_dir = ROOT / "outputs" / "slurm" / job.job_id
-    results = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
-    counted = [r for r in results if not r["warmup"]]
-    keys = [(r["prompt_id"], r["method"]) for r in counted]
+    results = read_records(run_dir / RESULTS)
+    counted = [r for r in results if not r.warmup]
+    keys = [(r.prompt_id, r.method) for r in counted]
     assert len(keys) == len(set(keys)) == 2 * WALLTIME_PROMPTS, len(keys)  # every prompt once per method
-    by = {k: r["output_ids"] for k, r in zip(keys, counted)}
+    by = {k: r.output_ids for k, r in zip(keys, counted)}
     for pid, method in keys:
         assert len(by[(pid, method)]) == 128
         assert by[(pid, "pipespec")] == by[(pid, "ar")], pid
