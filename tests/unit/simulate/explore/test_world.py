@@ -57,7 +57,7 @@ def without_resend(monkeypatch) -> None:
             return False
         self._after_act = False
         out = send(self)
-        self._partial = self.sent < len(self.out)
+        self._partial = self.outbox.sent < len(self.out)
         return out
 
     monkeypatch.setattr(StageLoop, "_acted", act_then_send)
