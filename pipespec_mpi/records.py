@@ -95,6 +95,7 @@ class Record:
     transport: str
     epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
     hosts: list[str] = field(default_factory=list)  # per stage: the host it ran on
+    engines: list[str] = field(default_factory=list)  # per stage: the forward and plug-ins it ran
     hierarchy: str | None
     models: list[str]
     stages: list[StageStats]

@@ -95,12 +95,10 @@ BATCH = 4  # sequences of the batched forward ``per_sequence_s`` times
 
 
 def per_sequence_s(model, context: Sequence[int], repeats: int) -> float:
-    """What each more sequence adds to a batched forward (``score_batch``): BATCH sequences of
+    """What each more sequence adds to a batched forward (``score_many``): BATCH sequences of
     one token each against one sequence of BATCH tokens (the same rows through the linear
     layers), over BATCH - 1; 0 where the model does not batch (one forward per sequence)."""
-    from pipespec_mpi.models.base import KVScorer, score_batch
-
-    if not isinstance(model, KVScorer) or not model.batchable:
+    if not getattr(model, "batchable", False):
         return 0.0
     base = len(context)
     slots = [model] + [model.for_slot() for _ in range(BATCH - 1)]
@@ -113,7 +111,7 @@ def per_sequence_s(model, context: Sequence[int], repeats: int) -> float:
         one.append(time.perf_counter() - t0)
         model.truncate(base - 1)
         t0 = time.perf_counter()
-        score_batch([(s, context, []) for s in slots])
+        model.score_many([(s, context, []) for s in slots])
         many.append(time.perf_counter() - t0)
         for s in slots:
             s.truncate(base - 1)

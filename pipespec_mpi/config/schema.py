@@ -107,7 +107,7 @@ class CpuBind(Choice):
 
 
 class Kernels(Choice):
-    cpu = "cpu"
+    auto = "auto"
     portable = "portable"
 
 
@@ -183,8 +183,8 @@ class StageConfig:
     flat_linear: bool = True  # CPU float32: small-M kernel for verification (models/cpu/flat_linear.py)
     exact_blocks: bool = True  # flat_linear: a layer whose weights are exactly Q4_1/Q8_0 blocks (a
     # GGUF dequantised, as the embedded SmolLM2) reads the blocks: bitwise the same, fewer bytes
-    exact_rows: bool | None = None  # lean forward: each row of a decoding forward attends as a
-    # forward of its token alone would, so greedy output is bitwise AR's (models/cpu/attention.py: the
+    exact_rows: bool | None = None  # engine: each row of a decoding forward attends as a
+    # forward of its token alone would, so greedy output is bitwise AR's (models/cpu/plugins.py: the
     # row kernel, else one SDPA call per row); None: on for the last stage (its tokens are the
     # output) and for drafters where the row kernel builds (there it is also the cheaper
     # attention); off where neither the row kernel nor the flat kernel (row-independent linears) runs
@@ -386,12 +386,12 @@ class AutoConfig:
 class DeviceConfig:
     """What computes a model stage's forwards (models/loader.py, the device seam: platform.py)."""
 
-    # cpu: a stage on a CPU runs its transformers model through the lean forward and the project's
-    # kernels (float32: bitwise the same on any threads), a stage on a GPU the portable engine;
-    # portable: every Llama stage runs the portable engine (models/engine.py: plain torch, B
-    # slots in one forward, on any device)
-    kernels: Kernels = Kernels.cpu
-    # the portable engine's forward under torch.compile (whole: it has no graph break); on a GPU
+    # The engine's plug-ins (models/engine.py: one forward on every device). auto: the device's
+    # own, where they build (on a CPU the project's kernels: float32 linears and each row's
+    # attention alone, bitwise the same on any threads; on a GPU torch's linears and SDPA);
+    # portable: torch's linears and SDPA on every device
+    kernels: Kernels = Kernels.auto
+    # the engine's forward under torch.compile; on a GPU
     # the first forwards of each shape wait for the compiler
     compile: bool = False
 

@@ -127,7 +127,7 @@ class CpuPlacement:
     def as_alone(self) -> None:
         """Compute in every method as the last stage computes alone (AR): ``share.solo`` threads,
         unbound. For a stage whose logits may change with the thread count (not on the CPU
-        kernels: models/base.py ``thread_invariant``), so that no method's output differs from
+        kernels: models/scorer.py ``thread_invariant``), so that no method's output differs from
         the reference's by its threads."""
         import torch
 

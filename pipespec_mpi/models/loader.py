@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig, StageConfig, TokenizerConfig
-from pipespec_mpi.models.base import KVScorer
-from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
+from pipespec_mpi.models.engine import Weights, unsupported_reason
 from pipespec_mpi.models.prompt_lookup import PromptLookup
+from pipespec_mpi.models.scorer import Engine, EngineScorer
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
 from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -134,57 +134,71 @@ def _load_torch_model(
 
 
 def load_stage(
-    hier: HierarchyConfig, index: int, cuda_devices: list[int], kernels: str = "cpu", compiled: bool = False
+    hier: HierarchyConfig, index: int, cuda_devices: list[int], kernels: str = "auto", compiled: bool = False
 ) -> Scorer | Proposer:
-    """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer. ``kernels``
-    (``device.kernels``): "portable" runs every Llama stage on the portable engine; "cpu" runs
-    the stages on a GPU on it and those on a CPU as transformers models (the lean forward and the
-    project's kernels where they apply: models/base.py). ``compiled``: the portable engine's forward
-    under torch.compile (``device.compile``)."""
+    """The model of stage ``index`` on this rank's device: a Scorer, or a Proposer. Every Llama
+    stage runs the engine (models/engine.py) with ``kernels``' plug-ins (``device.kernels``:
+    "auto", a CPU's kernels where they build; "portable", torch's linears and SDPA); other
+    architectures run transformers' forward (models/fallback.py), logged with what they lose.
+    ``compiled``: the engine's forward under torch.compile (``device.compile``)."""
     stage = hier.stages[index]
     if stage.kind == "prompt_lookup":
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
     if stage.kind == "suffix":
         return _suffix_drafter(hier, stage)
     device = resolve_device(stage, cuda_devices)
-    derived = stage.kind in ("int8_copy", "lowbit_copy")  # copies on the CPU kernels (or fbgemm)
-    if derived:
+    if stage.kind in ("int8_copy", "lowbit_copy"):  # copies on the CPU kernels (or fbgemm)
         device = torch.device("cpu")
-    model = _load_torch_model(hier, index, device, cuda_devices)
-    if not derived and (kernels == "portable" or device.type != "cpu"):
-        scorer = _portable(stage.name, model, compiled)
-        if scorer is not None:
-            return scorer
-    if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
-        use_sdpa_gqa(model)
-    if stage.flat_linear and device.type == "cpu" and stage.dtype == "float32":
-        from pipespec_mpi.models.cpu.flat_linear import use_flat_linear
-        from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
-
-        use_flat_linear(model)
-        if stage.exact_blocks:
-            read_exact_blocks(model)
+    model = _load_torch_model(hier, index, device, cuda_devices).eval()
     exact_rows = stage.exact_rows
     if exact_rows is None and index == hier.n_stages - 1:
         exact_rows = True  # the output's stage: exact with or without the row kernel
-    return KVScorer(stage.name, model, device, exact_rows=exact_rows)
+    return model_scorer(
+        stage.name, model, kernels=kernels, exact_rows=exact_rows, compiled=compiled,
+        flat_linear=stage.flat_linear, exact_blocks=stage.exact_blocks,
+    )  # fmt: skip
 
 
-def _portable(name: str, model: torch.nn.Module, compiled: bool = False) -> Scorer | None:
-    """``model`` on the portable engine (models/engine.py), or None (logged) where it cannot run."""
-    from pipespec_mpi.models.engine import Weights, unsupported_reason
-    from pipespec_mpi.models.portable import Engine, PortableScorer
-
+def model_scorer(
+    name: str,
+    model: torch.nn.Module,
+    *,
+    kernels: str = "auto",
+    exact_rows: bool | None = None,
+    compiled: bool = False,
+    flat_linear: bool = True,
+    exact_blocks: bool = True,
+) -> Scorer:
+    """A transformers causal LM as a stage's scorer: the engine with ``kernels``' plug-ins (on a
+    CPU with "auto": float32 linears on the flat kernel, reading exact blocks where they have
+    them, and ``exact_rows``' attention: models/cpu/plugins.py), or transformers' forward where
+    the engine cannot run the model (logged with what that loses)."""
+    device = next(model.parameters()).device
     why = unsupported_reason(model)
     if why is not None:
-        log.info("%s: transformers forward (portable engine: %s)", name, why)
-        return None
+        from pipespec_mpi.models.fallback import LOSES, TransformersScorer, use_sdpa_gqa
+
+        log.warning("%s: transformers forward, the engine cannot run it (%s): %s", name, why, LOSES)
+        if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
+            use_sdpa_gqa(model)
+        return TransformersScorer(name, model, device)
+    if kernels == "auto" and device.type == "cpu":
+        from pipespec_mpi.models.cpu.plugins import cpu_weights
+
+        if flat_linear and model.model.embed_tokens.weight.dtype == torch.float32:
+            from pipespec_mpi.models.cpu.flat_linear import use_flat_linear
+            from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
+
+            use_flat_linear(model)
+            if exact_blocks:
+                read_exact_blocks(model)
+        weights = cpu_weights(model, exact_rows)
+    else:
+        weights = Weights.of(model)
     n = getattr(model.config, "max_position_embeddings", None)
-    log.info(
-        "%s: portable engine on %s, %s%s", name, model.device, model.dtype, ", compiled" if compiled else ""
-    )
-    engine = Engine(Weights.of(model.eval()), max_context=int(n) if n else None, compiled=compiled)
-    return PortableScorer(name, engine)
+    engine = Engine(weights, max_context=int(n) if n else None, compiled=compiled)
+    log.info("%s: %s", name, engine.describe())
+    return EngineScorer(name, engine)
 
 
 def _suffix_drafter(hier: HierarchyConfig, stage: StageConfig) -> SuffixDrafter:

@@ -152,9 +152,11 @@ class RecordAssembler:
         decode: Callable[[list[int]], str],
         epochs_window: str | None = None,
         hosts: list[str] | None = None,
+        engines: list[str] | None = None,
     ) -> None:
         self.cfg, self.replica, self.transport, self.decode = cfg, replica, transport, decode
         self.epochs_window, self.hosts = epochs_window, list(hosts or [])
+        self.engines = list(engines or [])
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
         cfg = self.cfg
@@ -199,6 +201,7 @@ class RecordAssembler:
             transport=self.transport,
             epochs_window=self.epochs_window,
             hosts=self.hosts,
+            engines=self.engines,
             hierarchy=cfg.hierarchy.name,
             models=[s.name for s in cfg.hierarchy.stages],
             stages=stats,

@@ -22,7 +22,6 @@ from pipespec_mpi.comm.bootstrap import World, mpi
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingDeal, RingingGate, RingingHandoff
-from pipespec_mpi.models.base import score_batch
 from pipespec_mpi.records import ERRORS, write_errors
 from pipespec_mpi.run import setup
 from pipespec_mpi.run.collect import (
@@ -109,7 +108,7 @@ class Runner:
         if pl.is_last:
             assemble = RecordAssembler(
                 cfg, replica=pl.replica, transport=loaded.transport, decode=loaded.tokenizer.decode,
-                epochs_window=links.window.kind, hosts=hosts,
+                epochs_window=links.window.kind, hosts=hosts, engines=loaded.engines,
             )  # fmt: skip
             collector = Collector(
                 assemble,
@@ -242,7 +241,7 @@ class Runner:
         """A batched stage over ``slots``, each block of its slots' bookkeeping ringing every
         neighbour once (``Doorbell.held``)."""
         held = self.bell.held if self.bell is not None else nullcontext
-        return BatchedStage(slots, PerfClock(), score_batch, held=held)
+        return BatchedStage(slots, PerfClock(), held=held)
 
     def _done(self) -> set[JobKey]:
         """What a resumed run already finished, read by rank 0 for every rank (an unreadable

@@ -83,6 +83,7 @@ class Loaded:
     row_error: Any  # DatasetError | None: the job stops on its rows (the same on every rank)
     sampled: bool  # some job of the job samples (its temperature, or a row's own)
     model: Any
+    engines: list[str]  # per stage: the forward and plug-ins it runs (the same on every rank)
     vocab: int  # the widest logit row of the stages
     gpu_monitor: Any  # GpuMonitor
 
@@ -129,6 +130,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         )
         sleep_at_barrier(comm)  # the stages load for seconds to minutes; MPICH's collectives spin
         context = smallest_context(cfg, pl, comm, model)
+        engines = stage_engines(pl, comm, model)
 
     with watchdog.phase("rows"):
         found = rows.scan(cfg, comm, tokenizer, context)
@@ -144,6 +146,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
             row_error=found.error,
             sampled=found.sampled,
             model=model,
+            engines=engines,
             vocab=0,
             gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
         )
@@ -170,6 +173,17 @@ def smallest_context(cfg: AppConfig, pl: Placement, comm, model) -> tuple | None
     mine = (getattr(model, "max_context", None), pl.stage, cfg.hierarchy.stages[pl.stage].name)
     contexts = [got for got in comm.allgather(mine) if got[0] is not None]
     return min(contexts) if contexts else None
+
+
+def stage_engines(pl: Placement, comm, model) -> list[str]:
+    """Per stage, the forward and plug-ins it runs (``describe``; a model-free drafter its
+    kind), gathered: the same on every rank (the first replica's where replicas differ)."""
+    describe = getattr(model, "describe", None)
+    mine = (pl.stage, describe() if describe is not None else f"model-free ({type(model).__name__})")
+    found: dict[int, str] = {}
+    for stage, text in comm.allgather(mine):
+        found.setdefault(stage, text)
+    return [found[s] for s in sorted(found)]
 
 
 def agree_vocab(cfg: AppConfig, pl: Placement, comm, model, tokenizer, sampled: bool) -> int:

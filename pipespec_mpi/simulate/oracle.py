@@ -239,6 +239,15 @@ class OracleScorer:
     def truncate(self, length: int) -> None:
         del self.cache[length:]
 
+    @property
+    def backend(self) -> OracleScorer:
+        return self  # an oracle has no batched forward: each scorer alone
+
+    def score_many(
+        self, requests: Sequence[tuple[OracleScorer, Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
+        return [sc.logits(seq, proposal) for sc, seq, proposal in requests]
+
 
 class OracleLookup:
     """Stage 0 as a model-free drafter (``Proposer``): a hit proposes up to ``max_proposal`` of

@@ -50,7 +50,7 @@ def random_engine(shape: str, device: str, dtype: str, slots: int, capacity: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipespec_mpi.models.engine import Weights
-    from pipespec_mpi.models.portable import Engine
+    from pipespec_mpi.models.scorer import Engine
 
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], rope_theta=500000.0)).to(getattr(torch, dtype))
@@ -80,6 +80,7 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
     import torch
 
     from pipespec_mpi.models import engine as eng
+    from pipespec_mpi.models.scorer import Request
 
     top = max(batches)
     engine = random_engine(shape, device, dtype, top, context + 32)
@@ -93,12 +94,13 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
 
         def run(reqs):
             for req in reqs:
-                engine.lengths[req[0]] = context
+                engine.lengths[req.slot] = context
             engine.run(reqs)
 
-        verify = {k: _median_s(lambda k=k: run([(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
+        verify = {k: _median_s(lambda k=k: run([Request(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
         batch = {
-            b: _median_s(lambda b=b: run([(s, [1], 1) for s in range(b)]), sync, repeats) for b in batches
+            b: _median_s(lambda b=b: run([Request(s, [1], 1) for s in range(b)]), sync, repeats)
+            for b in batches
         }
         key = "" if mode == "eager" else "compiled_"
         out[key + "verify_s"] = {str(k): v for k, v in verify.items()}

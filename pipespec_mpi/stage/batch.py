@@ -5,10 +5,10 @@ header and proposal link (run/setup.py ``connect(..., slot=s)`` gives each slot 
 tagged channels and communicators): per sequence, the protocol is exactly the one-sequence
 protocol the schedule explorer checks. What the slots share is the model:
 ``BatchedStage.step`` advances every live slot to its forward (``StageProcess.advance``), runs
-the forwards it collected as one batched call (``score``: models/base.py ``score_batch``, the
-weights read once for all rows) and hands each slot its logits (``complete``). A slot that
-waits (for its upstream, a gate, a handoff) costs the others nothing: it is simply not in the
-batch.
+the forwards it collected as one batched call (``score``: ``score_batch``, each backend's
+requests through its ``score_many``: the weights read once for all rows) and hands each slot
+its logits (``complete``). A slot that waits (for its upstream, a gate, a handoff) costs the
+others nothing: it is simply not in the batch.
 
 Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` would make; only
 when it happens changes, which the protocol already tolerates.
@@ -42,15 +42,31 @@ import torch
 from pipespec_mpi.speculative.goodput import RowCost, allot_rows
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.stage.loop import Forward, Step
-from pipespec_mpi.stage.ports import Clock
+from pipespec_mpi.stage.ports import Clock, Scorer
 from pipespec_mpi.stage.process import StageProcess, jobs_left
 
 # (scorer, seq, proposal) per forward -> logits [len(proposal)+1, V] per forward
-ScoreBatch = Callable[[list[tuple[object, list[int], list[int]]]], list[torch.Tensor]]
+ScoreBatch = Callable[[list[tuple[Scorer, list[int], list[int]]]], list[torch.Tensor]]
 
 
-def score_alone(requests: list[tuple[object, list[int], list[int]]]) -> list[torch.Tensor]:
-    """One forward per request (models without a batched forward: oracles, lookups)."""
+def score_batch(requests: list[tuple[Scorer, list[int], list[int]]]) -> list[torch.Tensor]:
+    """``scorer.logits(seq, proposal)`` of every request: the requests of scorers sharing a
+    backend (slots of one engine) through its ``score_many``, one call per backend."""
+    groups: dict[int, list[int]] = {}
+    backends: dict[int, Scorer] = {}
+    for i, (scorer, _, _) in enumerate(requests):
+        key = id(scorer.backend)
+        groups.setdefault(key, []).append(i)
+        backends.setdefault(key, scorer)
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    for key, idx in groups.items():
+        for i, rows in zip(idx, backends[key].score_many([requests[i] for i in idx]), strict=True):
+            out[i] = rows
+    return out  # type: ignore[return-value]
+
+
+def score_alone(requests: list[tuple[Scorer, list[int], list[int]]]) -> list[torch.Tensor]:
+    """One forward per request, whatever the backends could batch."""
     return [scorer.logits(seq, proposal) for scorer, seq, proposal in requests]
 
 
@@ -61,7 +77,7 @@ class BatchedStage:
         self,
         slots: Sequence[StageProcess],
         clock: Clock,
-        score: ScoreBatch = score_alone,
+        score: ScoreBatch = score_batch,
         held: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> None:
         if not slots:

@@ -127,6 +127,17 @@ class Scorer(Protocol):
     def truncate(self, length: int) -> None:
         """Cut the cache back to its first ``length`` positions (no-op if it is shorter)."""
 
+    @property
+    def backend(self) -> object:
+        """What scorers whose forwards can run as one share (the slots of one engine): requests
+        of scorers with the same backend go to one ``score_many``."""
+
+    def score_many(
+        self, requests: Sequence[tuple[Scorer, Sequence[int], Sequence[int]]]
+    ) -> list[torch.Tensor]:
+        """``scorer.logits(seq, proposal)`` of every request (their scorers share this one's
+        backend), in as few forwards as the backend can."""
+
 
 class Proposer(Protocol):
     """A model-free drafter (prompt lookup, suffix drafting) that proposes tokens from the text

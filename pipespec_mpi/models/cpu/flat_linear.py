@@ -16,8 +16,8 @@ weights are exactly llama.cpp blocks (``lowbit.read_exact_blocks``: a model dequ
 as the embedded SmolLM2 is) reads the blocks instead in these forwards, through the low-bit
 kernel that computes bitwise the same dot products: the same outputs from about a quarter of the
 bytes, which a memory-bound step reads faster. A prompt's prefill keeps torch's GEMM on the
-float32 weights (the same for every method), and ``KVScorer`` runs a wider decoding forward as
-pieces of MAX_ROWS rows.
+float32 weights (the same for every method), and the engine runs a wider decoding forward as
+pieces of MAX_ROWS rows (``FlatLinear.max_rows``: models/scorer.py).
 The kernel is compiled once per machine and ISA (torch.utils.cpp_extension, cached in
 ~/.cache/torch_extensions); where it cannot be, the model keeps torch's matmul and a warning says so.
 """
@@ -115,6 +115,8 @@ class Blocks(NamedTuple):
 class FlatLinear(torch.nn.Module):
     """Drop-in for a float32 CPU nn.Linear: the flat kernel for 1..16 rows (reading ``blocks``,
     bitwise the same, where the weights have an exact block form), torch otherwise."""
+
+    max_rows = MAX_ROWS  # forwards of up to this many rows compute each row as if alone
 
     def __init__(self, linear: torch.nn.Linear, kernel, blocks: Blocks | None = None) -> None:
         super().__init__()

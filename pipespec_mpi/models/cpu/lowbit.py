@@ -156,7 +156,7 @@ def read_exact_blocks(model: torch.nn.Module, isa: str | None = None) -> int:
     """Give every ``FlatLinear`` of ``model`` whose weights have an exact block form
     (``exact_blocks``) those blocks and this module's kernel for them; its 1..16-row forwards
     then read the blocks, bitwise the same outputs. Returns how many layers read blocks. Call it
-    before the lean forward is built (fused layers take their parts' blocks)."""
+    before the engine's weights are taken (fused layers take their parts' blocks)."""
     layers = [m for m in model.modules() if isinstance(m, FlatLinear)]
     found = [(m, exact_blocks(m.weight)) for m in layers if m.blocks is None]
     found = [(m, f) for m, f in found if f is not None]
@@ -249,6 +249,12 @@ class LowBitLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Module, fmt: str, kernel, dense: int = 0) -> LowBitLinear:
         bias = None if linear.bias is None else linear.bias.detach().float()
         return cls(fmt, quantize(linear.weight, fmt), bias, kernel, dense)
+
+    @property
+    def max_rows(self) -> int | None:
+        """Forwards of up to this many rows compute each row as if alone (the kernel's); None:
+        any number (no dense path)."""
+        return max(1, self.dense - 1) if self.dense else None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:

@@ -1,7 +1,8 @@
-"""The portable engine (models/engine.py, models/portable.py): transformers' Llama numbers through
-prefill, steps, verifications, rollbacks and batched slots; device-clean on torch's ``meta``
-device (a tensor made off the engine's device, or a host sync, raises there); and its decode and
-verify steps compile whole (``fullgraph=True``)."""
+"""The engine (models/engine.py, models/scorer.py) with its portable plug-ins (torch's linears, SDPA
+over the slots' grid): transformers' Llama numbers through prefill, steps, verifications,
+rollbacks and batched slots; device-clean on torch's ``meta`` device (a tensor made off the
+engine's device, or a host sync, raises there); and its decode and verify steps compile whole
+(``fullgraph=True``). The CPU plug-ins: tests/unit/models/cpu/test_plugins.py."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models import engine as engine_module
-from pipespec_mpi.models.base import KVScorer
-from pipespec_mpi.models.engine import KVCache, Weights, forward, rope_table, unsupported_reason
-from pipespec_mpi.models.portable import Engine, PortableScorer, score_many
+from pipespec_mpi.models.engine import Batch, KVCache, Weights, forward, unsupported_reason
+from pipespec_mpi.models.fallback import TransformersScorer
+from pipespec_mpi.models.scorer import Engine, EngineScorer, Request
 from pipespec_mpi.models.tiny import build_tiny
 from pipespec_mpi.speculative.greedy import accept
 
@@ -44,16 +45,16 @@ def run_rounds(scorer) -> list[torch.Tensor]:
 )
 def test_engine_equals_transformers_in_float64(base):
     """Bitwise, in float64 (where batched and one-token forwards round alike)."""
-    ref = run_rounds(KVScorer("ref", tiny(torch.float64, base), torch.device("cpu"), lean=False))
-    got = run_rounds(PortableScorer("engine", Engine(Weights.of(tiny(torch.float64, base)))))
+    ref = run_rounds(TransformersScorer("ref", tiny(torch.float64, base), torch.device("cpu")))
+    got = run_rounds(EngineScorer("engine", Engine(Weights.of(tiny(torch.float64, base)))))
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert torch.equal(a, b), (i, (a - b).abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_close_to_transformers_in_lower_precision(dtype):
-    ref = run_rounds(KVScorer("ref", tiny(dtype), torch.device("cpu"), lean=False))
-    got = run_rounds(PortableScorer("engine", Engine(Weights.of(tiny(dtype)))))
+    ref = run_rounds(TransformersScorer("ref", tiny(dtype), torch.device("cpu")))
+    got = run_rounds(EngineScorer("engine", Engine(Weights.of(tiny(dtype)))))
     tol = 1e-4 if dtype == torch.float32 else 0.1
     for a, b in zip(ref, got, strict=True):
         assert torch.allclose(a.float(), b, atol=tol, rtol=tol)
@@ -63,7 +64,7 @@ def test_slots_in_one_forward_equal_each_alone():
     """Slots of different lengths, verifying different counts in one padded forward, give each
     slot's rows as its own forward does (float64: bitwise); a slot not asked for is untouched."""
     engine = Engine(Weights.of(tiny(torch.float64)))
-    slots = [PortableScorer("s", engine) for _ in range(4)]
+    slots = [EngineScorer("s", engine) for _ in range(4)]
     seqs = [PROMPT[: 8 + 6 * i] for i in range(4)]
     proposals = [[], [3, 4], [5, 6, 7, 8], list(range(10, 26))]
     for sc, seq in zip(slots, seqs, strict=True):
@@ -73,11 +74,11 @@ def test_slots_in_one_forward_equal_each_alone():
         alone.append(sc.logits(seq, prop))
         sc.truncate(len(seq) - 1)
     asked = [0, 1, 3]  # slot 2 sits this forward out
-    got = score_many([(slots[i], seqs[i], proposals[i]) for i in asked])
+    got = slots[0].score_many([(slots[i], seqs[i], proposals[i]) for i in asked])
     for i, rows in zip(asked, got, strict=True):
         assert torch.equal(rows, alone[i]), i
     want = [len(s) + len(p) if i in asked else len(s) - 1 for i, (s, p) in enumerate(zip(seqs, proposals))]
-    assert [sc._len for sc in slots] == want  # the cache holds seq + proposal, as KVScorer's
+    assert [sc.length for sc in slots] == want  # the cache holds seq + proposal
 
 
 def test_unsupported_models_are_named():
@@ -101,7 +102,7 @@ def meta_engine(slots: int = 3) -> Engine:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     eng = Engine(Weights.of(model))
-    assert eng.w.device.type == "meta" and eng.cache.k.device.type == "meta"
+    assert eng.w.device.type == "meta" and eng.cache.k[0].device.type == "meta"
     for _ in range(slots):
         eng.new_slot()
     return eng
@@ -114,10 +115,12 @@ def test_every_step_runs_on_meta():
     eng = meta_engine()
     for s in range(3):
         eng.begin(s, 64)
-        (logits,) = eng.run([(s, list(range(20 + s)), 1)])  # prefill
+        (logits,) = eng.run([Request(s, list(range(20 + s)), 1)])  # prefill
         assert logits.shape == (1, 512) and logits.device.type == "meta"
-    steps = eng.run([(s, [7], 1) for s in range(3)])  # decode: every slot, one row
-    verify = eng.run([(0, [1, 2, 3], 3), (2, [4, 5, 6, 7, 8], 5)])  # B-slot verification, padded
+    steps = eng.run([Request(s, [7], 1) for s in range(3)])  # decode: every slot, one row
+    verify = eng.run(
+        [Request(0, [1, 2, 3], 3), Request(2, [4, 5, 6, 7, 8], 5)]
+    )  # B-slot verification, padded
     assert [t.shape for t in steps] == [(1, 512)] * 3 and [t.shape for t in verify] == [(3, 512), (5, 512)]
     eng.lengths[2] -= 3  # a rollback: the host's length, nothing on the device
     proposal = torch.tensor([[2, 3, 0, 0], [5, 6, 7, 8]], device="meta")
@@ -128,16 +131,16 @@ def test_every_step_runs_on_meta():
 
 def test_meta_catches_a_hidden_cpu_tensor(monkeypatch):
     """The test can fail: a tensor created without the engine's device raises on ``meta``."""
-    real = engine_module._rotate
+    real = engine_module.rotate
 
     def leaky(x, cos, sin):
         return real(x, cos, sin) + torch.zeros(x.shape[-1])  # on the CPU
 
-    monkeypatch.setattr(engine_module, "_rotate", leaky)
+    monkeypatch.setattr(engine_module, "rotate", leaky)
     eng = meta_engine(1)
     eng.begin(0, 16)
     with pytest.raises(RuntimeError, match="device"):
-        eng.run([(0, [1, 2, 3], 3)])
+        eng.run([Request(0, [1, 2, 3], 3)])
 
 
 def test_meta_catches_a_host_sync():
@@ -145,7 +148,7 @@ def test_meta_catches_a_host_sync():
     raises on ``meta``, where on CUDA it would stall the stream."""
     eng = meta_engine(1)
     eng.begin(0, 16)
-    (logits,) = eng.run([(0, [1, 2], 2)])
+    (logits,) = eng.run([Request(0, [1, 2], 2)])
     for read in (lambda t: t.argmax().item(), lambda t: t.argmax(-1).tolist(), lambda t: bool((t > 0).any())):
         with pytest.raises((RuntimeError, NotImplementedError)):
             read(logits)
@@ -154,28 +157,37 @@ def test_meta_catches_a_host_sync():
 # ---- compiled whole: no graph break in the decode and verify steps ----------------------------
 
 
+def grid(tokens: list[list[int]], start: list[int], capacity: int) -> Batch:
+    """The grid batch of slots 0..S-1, each with its tokens (padded to the widest) from ``start``."""
+    width = max(map(len, tokens))
+    rows = [(s, j) for s in range(len(tokens)) for j in range(width)]
+    real = [(s, j, j < len(tokens[s])) for s, j in rows]
+    return Batch(
+        tokens=torch.tensor([tokens[s][j] if ok else 0 for s, j, ok in real]),
+        pos=torch.tensor([start[s] + j if ok else 0 for s, j, ok in real]),
+        slot=torch.tensor([s for s, _ in rows]),
+        write=torch.tensor([start[s] + j if ok else capacity - 1 for s, j, ok in real]),
+        keep=torch.arange(len(rows)), grid_slots=slice(0, len(tokens)), width=width,
+    )  # fmt: skip
+
+
 @pytest.mark.slow
 def test_decode_and_verify_steps_compile_fullgraph():
     torch._dynamo.reset()
     w = Weights.of(tiny(torch.float32))
-    cache = KVCache.empty(w.arch, 3, 64, w.device, w.dtype)
-    cos, sin = rope_table(w, 64)
+    cache = KVCache.empty(w, 3, 64)
     step = torch.compile(forward, fullgraph=True, backend="aot_eager")
     verdicts = torch.compile(accept, fullgraph=True, backend="aot_eager")
-    start = torch.tensor([10, 20, 30])
-    decode = step(
-        w, cache, slice(0, 3), torch.tensor([[1], [2], [3]]), start, torch.ones(3, dtype=torch.long), cos, sin
-    )
-    assert decode.shape == (3, 1, w.arch.vocab)
-    tokens = torch.tensor([[1, 5, 6, 7], [2, 8, 0, 0], [3, 9, 9, 0]])
-    count = torch.tensor([4, 2, 3])
-    rows = step(w, cache, slice(0, 3), tokens, start, count, cos, sin)
-    eager = forward(
-        w, KVCache.empty(w.arch, 3, 64, w.device, w.dtype), slice(0, 3), tokens, start, count, cos, sin
-    )
-    assert rows.shape == (3, 4, w.arch.vocab)
+    start = [10, 20, 30]
+    decode = step(w, cache, grid([[1], [2], [3]], start, 64))
+    assert decode.shape == (3, w.arch.vocab)
+    tokens = [[1, 5, 6, 7], [2, 8], [3, 9, 9]]
+    rows = step(w, cache, grid(tokens, start, 64)).view(3, 4, -1)
+    eager = forward(w, KVCache.empty(w, 3, 64), grid(tokens, start, 64)).view(3, 4, -1)
     assert torch.allclose(rows[0], eager[0], atol=1e-5)  # slot 0's cache saw the same writes since start
-    got = verdicts(tokens[:, 1:], count - 1, rows.argmax(-1))
+    count = torch.tensor([4, 2, 3])
+    padded = torch.tensor([[1, 5, 6, 7], [2, 8, 0, 0], [3, 9, 9, 0]])
+    got = verdicts(padded[:, 1:], count - 1, rows.argmax(-1))
     assert got.shape == (3, 2)
 
 
@@ -184,7 +196,7 @@ def test_the_compiled_engine_computes_what_the_eager_one_does():
     """``device.compile``: the same scorer API through torch.compile's forward."""
     torch._dynamo.reset()
     w = Weights.of(tiny(torch.float64))
-    ref = run_rounds(PortableScorer("eager", Engine(w)))
-    got = run_rounds(PortableScorer("compiled", Engine(w, compiled=True)))
+    ref = run_rounds(EngineScorer("eager", Engine(w)))
+    got = run_rounds(EngineScorer("compiled", Engine(w, compiled=True)))
     for a, b in zip(ref, got, strict=True):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()

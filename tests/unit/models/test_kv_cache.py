@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.host.dispatch import supported_isas
-from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
 from pipespec_mpi.models.cpu.flat_linear import MAX_ROWS, extension, use_flat_linear
+from pipespec_mpi.models.fallback import use_sdpa_gqa
 from pipespec_mpi.models.kv_cache import PreallocatedLayer, preallocated_cache
 
 

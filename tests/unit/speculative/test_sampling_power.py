@@ -7,12 +7,11 @@ batch 1, and under the adaptive policy with four slots per stage."""
 from __future__ import annotations
 
 import pytest
-import torch
 from sampling_stats import EOS, PROMPT_IDS, N, chi_square, exact_joint
 
 from pipespec_mpi.config import DecodeConfig, compose_config
-from pipespec_mpi.models.base import KVScorer
 from pipespec_mpi.models.loader import load_stage
+from pipespec_mpi.models.scorer import EngineScorer
 from pipespec_mpi.simulate.explore import Parts, Scenario, World
 from pipespec_mpi.speculative.verifiers import AcceptAll
 
@@ -24,8 +23,8 @@ def tiny_parts(wrap=None) -> Parts:
     hier = compose_config(["hierarchy=tiny"]).hierarchy
     scorers = [load_stage(hier, i, []) for i in range(hier.n_stages)]
 
-    def model(i: int) -> KVScorer:
-        return KVScorer(scorers[i].name, scorers[i].model, torch.device("cpu"))
+    def model(i: int) -> EngineScorer:
+        return scorers[i].for_slot()
 
     return Parts(model, [list(PROMPT_IDS)] * N, EOS, wrap)
 

@@ -1,5 +1,5 @@
-"""Batched decoding (stage/batch.py, models/base.py ``score_batch``): B sequences per stage, their
-forwards run together. The per-sequence protocol is the explored one; these tests check what
+"""Batched decoding (stage/batch.py ``score_batch``, the engine's ``score_many``): B sequences per
+stage, their forwards run together. The per-sequence protocol is the explored one; these tests check what
 batching adds: each slot gets its own logits (bitwise its own forward on the float32 flat-kernel
 models), slots never mix, and the real models stay lossless under the explorer's schedules."""
 
@@ -9,23 +9,22 @@ import pytest
 import torch
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.models.base import KVScorer, score_batch
+from pipespec_mpi.models.scorer import EngineScorer
 from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore
 from pipespec_mpi.speculative.policy import StaticPolicy
-from pipespec_mpi.stage.batch import BatchedStage, score_alone
+from pipespec_mpi.stage.batch import BatchedStage, score_alone, score_batch
 
-from ..models.cpu.test_lean import BASES, model_for, needs_kernel
+from ..models.cpu.test_plugins import BASES, engine_for, model_for, needs_kernel
 from ..speculative.test_sampling_power import tiny_parts
 
 BATCH = [f for f in FAMILIES if f.endswith("-batch")]
 
 
 # ------------------------------------------------------------------------------ score_batch
-def _scorers(base: str, n: int) -> tuple[list[KVScorer], list[KVScorer]]:
-    """n scorers decoding alone, and n slots of one batched scorer, on the same weights."""
-    model = model_for(base, flat=True)
-    alone = [KVScorer(f"alone{i}", model, torch.device("cpu")) for i in range(n)]
-    first = KVScorer("batched", model, torch.device("cpu"))
+def _scorers(base: str, n: int) -> tuple[list[EngineScorer], list[EngineScorer]]:
+    """n scorers decoding alone, and n slots of one batched scorer, on equal weights."""
+    alone = [engine_for(model_for(base)) for _ in range(n)]
+    first = engine_for(model_for(base))
     return alone, [first] + [first.for_slot() for _ in range(n - 1)]
 
 
@@ -36,7 +35,7 @@ def test_score_batch_gives_every_slot_bitwise_its_own_forward(base):
     rows than one batched forward takes (packed into groups of at most 16): every slot's logits
     are bitwise those of the same calls on the sequence alone, and its cache ends where it would."""
     alone, slots = _scorers(base, 4)
-    assert all(s._lean is slots[0]._lean and s._cache is not slots[0]._cache for s in slots[1:])
+    assert all(s.engine is slots[0].engine and s.slot != slots[0].slot for s in slots[1:])
     prompts = [[(5 * i + b) % 250 for i in range(n)] for b, n in enumerate((9, 23, 4, 15))]
     seqs = [list(p) for p in prompts]
     for a, s, p in zip(alone, slots, prompts, strict=True):
@@ -55,18 +54,27 @@ def test_score_batch_gives_every_slot_bitwise_its_own_forward(base):
             seqs[b].append(int(got[b][-1].argmax()))  # the next round's sequence: its bonus token
             for sc in (slots[b], alone[b]):
                 sc.truncate(len(seqs[b]) - 1)
-            assert slots[b]._len == alone[b]._len == len(seqs[b]) - 1
+            assert slots[b].length == alone[b].length == len(seqs[b]) - 1
 
 
-def test_score_batch_runs_other_scorers_alone():
-    """Scorers without a lean forward (here: not KVScorers) are asked one by one."""
+def test_score_batch_asks_each_backend_once_for_its_requests_in_order():
+    """Requests are grouped by their scorers' backend, each group through one ``score_many``,
+    and every request gets its own rows back in the order asked."""
+    calls = []
 
     class Fixed:
-        def logits(self, seq, proposal):
-            return torch.full((len(proposal) + 1, 3), float(len(seq)))
+        def __init__(self, backend: str) -> None:
+            self.backend = backend
 
-    got = score_batch([(Fixed(), [1, 2], [3]), (Fixed(), [1], [])])
-    assert [g.shape for g in got] == [(2, 3), (1, 3)] and got[0][0, 0] == 2 and got[1][0, 0] == 1
+        def score_many(self, requests):
+            calls.append([len(seq) for _, seq, _ in requests])
+            return [torch.full((len(p) + 1, 3), float(len(seq))) for _, seq, p in requests]
+
+    a, b = Fixed("a"), Fixed("b")
+    got = score_batch([(a, [1, 2], [3]), (b, [1], []), (a, [1, 2, 3], [])])
+    assert calls == [[2, 3], [1]]
+    assert [g.shape for g in got] == [(2, 3), (1, 3), (1, 3)]
+    assert [g[0, 0].item() for g in got] == [2, 1, 3]
 
 
 # ------------------------------------------------------------------------------ under the explorer
@@ -109,7 +117,7 @@ def test_the_real_tiny_models_batched_stay_lossless_under_adversarial_schedules(
     base = tiny_parts()
     shared = {}
 
-    def model(i: int) -> KVScorer:
+    def model(i: int) -> EngineScorer:
         if i not in shared:
             shared[i] = base.model(i)
             return shared[i]

@@ -11,13 +11,13 @@ import torch
 
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.host import dispatch
-from pipespec_mpi.models.base import KVScorer, score_batch
 from pipespec_mpi.models.cpu import flat_linear
 from pipespec_mpi.models.cpu.attention import rows_kernel
 from pipespec_mpi.models.cpu.lowbit import FORMATS, quantize
 from pipespec_mpi.models.cpu.lowbit import extension as lowbit_extension
+from pipespec_mpi.stage.batch import score_batch
 
-from .test_lean import model_for
+from .test_plugins import engine_for, model_for
 
 ISAS = [
     pytest.param(isa, marks=pytest.mark.skipif(flat_linear.extension(isa) is None, reason="no build"))
@@ -104,8 +104,7 @@ def _stage_logits(base: str) -> list[torch.Tensor]:
     through a prefill of 37 tokens (torch's GEMM in tiles, the row kernel's attention), one-token
     steps, verifications of 2..16 and 21 rows (split in kernel-sized forwards), rollbacks, and
     batched forwards of three slots."""
-    model = model_for(WIDE if base == "wide" else base, flat=True)
-    sc = KVScorer("target", model, torch.device("cpu"), exact_rows=True)
+    sc = engine_for(model_for(WIDE if base == "wide" else base), exact_rows=True)
     assert sc.thread_invariant, "the output stage should run on the CPU kernels alone"
     prompt = [(7 * i) % 250 for i in range(38)]
     out = []

@@ -236,7 +236,7 @@ def test_loader_builds_a_lowbit_copy_that_tracks_its_source(fmt, dense):
          f"hierarchy.stages.0.dense_rows={dense}"]
     )  # fmt: skip
     copy_, target = load_stage(cfg.hierarchy, 0, []), load_stage(cfg.hierarchy, 2, [])
-    layers = [m for m in copy_.model.modules() if isinstance(m, LowBitLinear)]
+    layers = [m for m in copy_.engine.w.linears() if isinstance(m, LowBitLinear)]
     assert layers
     want = {dense_rows(m.fmt, None) for m in layers} if dense == "null" else {int(dense)}
     assert {m.dense for m in layers} == want
