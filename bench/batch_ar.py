@@ -1,9 +1,9 @@
-"""Batched AR on the CPUs here: B sequences per forward through the lean forward's batch path.
+"""Batched AR on the CPUs here: B sequences per forward through the engine (``score_many``).
 
     .venv/bin/python bench/batch_ar.py [--batch 1,2,4,8] [--prompts 8] [--tokens 64] [--threads 1]
 
 A first piece of issue #14 (many sequences in flight per pipeline): the target decodes the
-prompts greedily B at a time, one token per sequence per forward (``LeanLlama.forward_batch``:
+prompts greedily B at a time, one token per sequence per forward (the engine's ``score_many``:
 linear layers once over the B rows, attention over each sequence's own cache: the row kernel's
 one call per layer where the target runs it, as in the job, ``exact_rows``), and the script
 reports tokens/s per B, the cost of one batched step against a one-sequence step, and whether
@@ -22,27 +22,25 @@ import torch
 
 from pipespec_mpi.auto.fingerprint import cpu_identity
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.models.kv_cache import preallocated_cache
 from pipespec_mpi.models.loader import load_stage, load_tokenizer
 from pipespec_mpi.run.jobs import tokenize_prompts
 
 
 @torch.inference_mode()
-def decode(scorer, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy ``tokens`` new tokens for every prompt, all in one batch; (outputs, decode seconds)."""
-    lean, cfg = scorer._lean, scorer.model.config
-    caches = [preallocated_cache(cfg, len(p) + tokens + 1) for p in prompts]
-    nxt = []
-    for p, c in zip(prompts, caches, strict=True):
-        nxt.append(int(lean.forward(torch.tensor([p]), c, 1)[0, -1].argmax()))
-    out = [[t] for t in nxt]
+def decode(pool: list, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy ``tokens`` new tokens for every prompt, all in one batch on the first slots of
+    ``pool`` (slots of one engine); (outputs, decode seconds)."""
+    slots = pool[: len(prompts)]
+    scorer = slots[0]
+    seqs = [list(p) for p in prompts]
+    for sc, p in zip(slots, prompts, strict=True):
+        sc.prefill(p, room=tokens + 1)
     t0 = time.perf_counter()
-    for _ in range(tokens - 1):
-        logits = lean.forward_batch([[t] for t in nxt], caches, rows_alone=scorer.exact_rows)  # [B, V]
-        nxt = logits.argmax(-1).tolist()
-        for o, t in zip(out, nxt, strict=True):
-            o.append(t)
-    return out, time.perf_counter() - t0
+    for _ in range(tokens):
+        logits = scorer.score_many([(sc, s, []) for sc, s in zip(slots, seqs, strict=True)])
+        for s, rows in zip(seqs, logits, strict=True):
+            s.append(int(rows[-1].argmax()))
+    return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)], time.perf_counter() - t0
 
 
 def main() -> None:
@@ -54,16 +52,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="humaneval")
-    ap.add_argument("--sdpa", action="store_true", help="attention by SDPA per sequence (no row kernel)")
+    ap.add_argument("--sdpa", action="store_true", help="attention by SDPA over the grid (no exact rows)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = compose_config([f"dataset={a.dataset}", f"dataset.n_prompts={a.prompts}", f"dataset.seed={a.seed}"])
     hier = cfg.hierarchy
-    scorer = load_stage(hier, hier.n_stages - 1, [])
-    if scorer._lean is None:
-        raise SystemExit("the target has no lean forward here; batched AR needs it")
     if a.sdpa:
-        scorer.exact_rows = False
+        hier.stages[-1].exact_rows = False
+    scorer = load_stage(hier, hier.n_stages - 1, [])
+    if not getattr(scorer, "batchable", False):
+        raise SystemExit(f"the target does not batch here ({scorer.describe()})")
+    pool = [scorer] + [scorer.for_slot() for _ in range(max(int(b) for b in a.batch.split(",")) - 1)]
     prompts = [p.ids for p in tokenize_prompts(cfg, load_tokenizer(hier.tokenizer, hier.name)).prompts]
     sizes = [int(b) for b in a.batch.split(",")]
     secs: dict[int, list[float]] = {b: [] for b in sizes}
@@ -72,7 +71,7 @@ def main() -> None:
         for b in sizes:
             total, got = 0.0, []
             for i in range(0, len(prompts), b):
-                o, s = decode(scorer, prompts[i : i + b], a.tokens)
+                o, s = decode(pool, prompts[i : i + b], a.tokens)
                 got += o
                 total += s
             secs[b].append(total)
@@ -81,7 +80,7 @@ def main() -> None:
     print(f"{cpu['cpu']} ({platform.machine()}; {', '.join(cpu['isa'])}), {a.threads} thread(s), "
           f"torch {torch.__version__}; {len(prompts)} {a.dataset} prompts (seed {a.seed}), "
           f"{a.tokens} tokens each, median of {a.rounds} interleaved rounds, prefill not timed; "
-          f"attention {'row kernel' if scorer.exact_rows else 'SDPA per sequence'}")  # fmt: skip
+          f"{scorer.describe()}")  # fmt: skip
     n_tok = len(prompts) * (a.tokens - 1)
     base = statistics.median(secs[sizes[0]])
     print("| B | tokens/s | x B=1 | ms per batched step | step / one-sequence step | outputs = B=1 |")

@@ -26,8 +26,8 @@ import torch
 
 from pipespec_mpi.auto.fingerprint import cpu_identity
 from pipespec_mpi.config import HierarchyConfig, StageConfig, compose_config
-from pipespec_mpi.models.base import KVScorer
 from pipespec_mpi.models.loader import load_stage, load_tokenizer
+from pipespec_mpi.models.scorer import EngineScorer
 from pipespec_mpi.run.jobs import tokenize_prompts
 
 COPIES = {
@@ -41,7 +41,7 @@ COPIES = {
 
 
 @torch.inference_mode()
-def greedy(model: KVScorer, prompt: list[int], n: int) -> list[int]:
+def greedy(model: EngineScorer, prompt: list[int], n: int) -> list[int]:
     model.prefill(prompt, room=n + 1)
     seq = list(prompt)
     for _ in range(n):
@@ -50,14 +50,14 @@ def greedy(model: KVScorer, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.inference_mode()
-def agreement(model: KVScorer, prompt: list[int], cont: list[int]) -> tuple[int, int]:
+def agreement(model: EngineScorer, prompt: list[int], cont: list[int]) -> tuple[int, int]:
     """(positions where the copy's greedy token equals the target's, positions)."""
     model.prefill(prompt, room=len(cont) + 1)
     logits = model.logits(prompt, cont[:-1])  # [len(cont), V]: the choice at each position
     return int((logits.argmax(-1) == torch.tensor(cont)).sum()), len(cont)
 
 
-def step_times(models: dict[str, KVScorer], context: list[int], rounds: int) -> dict[str, float]:
+def step_times(models: dict[str, EngineScorer], context: list[int], rounds: int) -> dict[str, float]:
     for m in models.values():
         m.prefill(context, room=4)
         m.logits(context, [])  # warm
@@ -111,16 +111,18 @@ def main() -> None:
     print("| copy | weights MB | agreement code | agreement news | step ms | step / target step |")
     print("|---|---|---|---|---|---|")
     for name in COPIES:
-        mb = weight_mb(models[name].model)
+        mb = weight_mb(models[name])
         code, news = agree[(name, "humaneval")], agree[(name, "news")]
         print(f"| {name} | {mb:.0f} | {code[0] / code[1]:.3f} | {news[0] / news[1]:.3f} | "
               f"{1e3 * t[name]:.1f} | {t[name] / t['target']:.2f} |")  # fmt: skip
 
 
-def weight_mb(model: torch.nn.Module) -> float:
+def weight_mb(scorer: EngineScorer) -> float:
+    """The weights a one-token step of the scorer's engine reads: its linears (the LM head too)."""
     from weight_stream import weight_bytes  # bench/ is on sys.path when run as a script
 
-    return weight_bytes(model) / 1e6
+    linears = torch.nn.ModuleList([m for m in scorer.engine.w.linears() if isinstance(m, torch.nn.Module)])
+    return weight_bytes(linears) / 1e6
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 The adaptive batched stage gives a verification row only where it pays (stage/batch.py,
 ``goodput.RowCost``): it fits a forward's seconds as fixed + per_slot B + per_row e for B slots
 and e verification rows beyond their own. This times the target's batched forwards
-(``models/base.py score_batch``, as the job runs them) over a grid of (B, e), interleaved round
+(``stage/batch.py score_batch``, as the job runs them) over a grid of (B, e), interleaved round
 by round, at a fixed context per slot, and prints the medians, the three-term fit of all of
 them, and the one line in all rows that a fit of steps alone (e = 0) would give.
 """
@@ -22,9 +22,9 @@ import torch
 
 from pipespec_mpi.auto.fingerprint import cpu_identity
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.models.base import score_batch
 from pipespec_mpi.models.loader import load_stage
 from pipespec_mpi.speculative.goodput import RowCost, RowLine, allot_rows, survivals
+from pipespec_mpi.stage.batch import score_batch
 
 
 def main() -> None:

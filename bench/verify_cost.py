@@ -7,8 +7,8 @@ sdpa); the flat small-M kernel of models/cpu/flat_linear.py with the preallocate
 models/kv_cache.py and grouped-query SDPA without KV copies (models/cpu/attention.py); that and the
 exact GGUF blocks read through the low-bit kernel (``lowbit.read_exact_blocks``, the loader's
 default ``exact_blocks``), both through transformers' forward; and what the target stage runs,
-that through the lean forward with every decoding row's attention alone (``exact_rows``: the
-row attention kernel where it builds). k is the rows of the
+the engine on those kernels with every decoding row's attention alone (``exact_rows``: the row
+attention kernel where it builds; models/cpu/plugins.py). k is the rows of the
 forward: a verification of k - 1 proposals, or a batched forward of k one-token slots.
 Measurements are interleaved: each round times every (variant, k) once in a shuffled order
 after the same context, so drifts of a shared machine hit all alike; the table shows medians
@@ -28,11 +28,12 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from pipespec_mpi.models.cpu.attention import use_sdpa_gqa
 from pipespec_mpi.models.cpu.flat_linear import cpu_isa, use_flat_linear
-from pipespec_mpi.models.cpu.lean import build_lean
 from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
+from pipespec_mpi.models.cpu.plugins import cpu_weights
+from pipespec_mpi.models.fallback import use_sdpa_gqa
 from pipespec_mpi.models.kv_cache import preallocated_cache
+from pipespec_mpi.models.scorer import Engine, Request
 from pipespec_mpi.models.smollm2 import ensure_cache
 
 Forward = Callable[[torch.Tensor, object, int, bool], object]  # (ids, cache, keep, decoding)
@@ -42,13 +43,22 @@ def transformers_forward(model) -> Forward:
     return lambda ids, cache, keep, decoding: model(input_ids=ids, cache=cache, logits_to_keep=keep)
 
 
-def stage_forward(model) -> Forward:
-    """The lean forward as the last stage runs it: decoding rows alone (``exact_rows``: the row
-    attention kernel where it builds), the prefill by SDPA."""
-    lean, why = build_lean(model)
-    if lean is None:
-        raise SystemExit(f"no lean forward here: {why}")
-    return lambda ids, cache, keep, decoding: lean.forward(ids, cache, keep, rows_alone=decoding)
+def stage(model, capacity: int) -> tuple[Forward, Callable[[], int]]:
+    """The engine as the last stage runs it (exact rows), and a fresh slot of it as the cache."""
+    engine = Engine(cpu_weights(model, exact_rows=True))
+
+    def new_slot() -> int:
+        slot = engine.new_slot()
+        engine.begin(slot, capacity)
+        return slot
+
+    def fn(ids, slot, keep, decoding):
+        tokens = ids[0].tolist()
+        if not decoding:
+            return engine.prefill(slot, tokens)
+        return engine.run([Request(slot, tokens, keep)])
+
+    return fn, new_slot
 
 
 @torch.inference_mode()
@@ -82,7 +92,7 @@ def main() -> None:
         "torch": (transformers_forward(base), lambda: DynamicCache(config=base.config)),
         "flat": (transformers_forward(flat), lambda: preallocated_cache(flat.config, capacity)),
         "blocks": (transformers_forward(blocks), lambda: preallocated_cache(blocks.config, capacity)),
-        "stage": (stage_forward(blocks), lambda: preallocated_cache(blocks.config, capacity)),
+        "stage": stage(blocks, capacity),
     }
     context = torch.randint(0, 49000, (1, args.context), generator=torch.Generator().manual_seed(0))
     ks = list(range(1, args.max_k + 1))

@@ -319,9 +319,16 @@ class KVCache:
         return out
 
     def write(self, i: int, b: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``i``'s keys and values of the rows [R, kv_heads, D], in place."""
-        self.k[i][b.slot, :, b.write] = k
-        self.v[i][b.slot, :, b.write] = v
+        """Layer ``i``'s keys and values of the rows [R, kv_heads, D], in place: a ragged batch's
+        sequences each as one slice copy (its positions are contiguous), a grid's rows scattered."""
+        kc, vc = self.k[i], self.v[i]
+        if b.seqs:
+            for (slot, start, n), lo in zip(b.seqs, b.bounds, strict=False):
+                kc[slot, :, start : start + n].copy_(k[lo : lo + n].transpose(0, 1))
+                vc[slot, :, start : start + n].copy_(v[lo : lo + n].transpose(0, 1))
+            return
+        kc[b.slot, :, b.write] = k
+        vc[b.slot, :, b.write] = v
 
 
 def rope_table(w: Weights, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ class Case:
     batch_sizes: tuple[int, ...] | None = None  # None: batch 1 only (no run.batch_sizes)
     transport: str | None = None
     policy: str | None = None  # decode.policy (its default: adaptive)
-    kernels: Literal["cpu", "portable"] = "cpu"  # device.kernels (cpu: the default)
+    kernels: Literal["auto", "portable"] = "auto"  # device.kernels (auto: the default)
     lookahead: int | None = None
     dataset: str | None = None
     warmup_prompts: int | None = None  # None: the default, one warm-up prompt per method
@@ -69,7 +69,7 @@ class Case:
             ("run.methods", self.methods and listed(self.methods)),
             ("run.batch_sizes", self.batch_sizes and listed(self.batch_sizes)),
             ("run.warmup_prompts", self.warmup_prompts),
-            ("device.kernels", None if self.kernels == "cpu" else self.kernels),
+            ("device.kernels", None if self.kernels == "auto" else self.kernels),
             ("transport.kind", self.transport),
             ("decode.lookahead", self.lookahead),
             ("decode.policy", self.policy),
@@ -136,7 +136,7 @@ CASES: list[Case] = [
         timeout=600,
         tier="long",
     ),
-    # the portable engine (models/engine.py): its slots' rows in one forward per step
+    # the engine with its portable plug-ins (torch's linears, SDPA over the slots' grid)
     *(
         Case(
             id=f"portable-{h}",

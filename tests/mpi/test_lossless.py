@@ -5,7 +5,7 @@ CPU dispatch levels, and a few launches of their own (EOS, the RMA window, the S
 Each launch runs the methods interleaved in one job (run.mode=benchmark), so every prompt is
 decoded by all of them on the same ranks. The tiny hierarchies run in float64, where batched and
 one-token forwards agree exactly, so equality is a fair test (see README for bf16/fp32); float32
-runs through the CPU kernels or the portable engine, where a batched row is bitwise its own
+runs the engine on the CPU kernels (or its portable plug-ins), where a batched row is bitwise its own
 forward. Beyond losslessness a case is checked for what its attributes promise (``CHECKS``).
 """
 
@@ -113,11 +113,23 @@ def check_drafter_counters(case: Case, recs: list[Record], run_dir: Path) -> Non
     assert any("job" in d["proposals"] for d in drafted)
 
 
-def check_portable_engine(case: Case, recs: list[Record], run_dir: Path) -> None:
-    """Every model stage (all but a model-free drafter) ran the portable engine."""
-    logs = "".join(p.read_text() for p in run_dir.glob("rank*.log"))
-    models = case.ranks - case.hierarchy.endswith("_suffix")
-    assert logs.count(": portable engine on cpu") == models, "every model stage"
+def check_engines(case: Case, recs: list[Record], run_dir: Path) -> None:
+    """Every record names each stage's forward and plug-ins: every model stage (all but a
+    model-free drafter) ran the engine, on the CPU kernels or, with ``kernels=portable``, on
+    torch's linears and SDPA over the slots' grid."""
+    drafter = case.hierarchy.endswith("_suffix")
+    for r in recs:
+        assert len(r.engines) == case.ranks, r.engines
+        if drafter:
+            assert r.engines[0] == "model-free (SuffixDrafter)"
+        for text in r.engines[drafter:]:
+            assert text.startswith("engine on cpu"), text
+            if case.kernels == "portable":
+                assert "linears Linear," in text and "SDPA over the slots' grid" in text, text
+            else:
+                assert "Linear" not in text.split("attention")[0].replace("FlatLinear", "").replace(
+                    "LowBitLinear", ""
+                ).replace("quantized.dynamic.Linear", ""), text
 
 
 def check_adaptive(case: Case, recs: list[Record], run_dir: Path) -> None:
@@ -167,7 +179,7 @@ CHECKS: list[tuple[Callable[[Case], bool], Check]] = [
     (lambda c: c.verifies, check_verified),
     (lambda c: bool(c.lookahead) and c.policy == "static" and c.batch_sizes is None, check_rollbacks),
     (lambda c: c.hierarchy == "tiny_suffix" and c.policy == "static", check_drafter_counters),
-    (lambda c: c.kernels == "portable", check_portable_engine),
+    (lambda c: True, check_engines),
     (lambda c: c.policy == "adaptive", check_adaptive),
     (lambda c: c.hierarchy == "smollm2", check_matches_generate),
 ]
