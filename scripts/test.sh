@@ -9,4 +9,4 @@ if [ -f slurm/local/setup.sh ]; then
   bash slurm/local/setup.sh || echo "[test.sh] local Slurm could not start; Slurm tests will skip"
 fi
 .venv/bin/ruff check pipespec_mpi tests
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipespec_mpi.models.engine import Batch
+from pipespec_mpi.models.rows import Batch
 
 
 class GridAttention:

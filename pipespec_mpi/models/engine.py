@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from pipespec_mpi.models.attention import GridAttention
+from pipespec_mpi.models.rows import Attention, Batch
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]: a module or a function
 
@@ -73,25 +76,6 @@ class Layer(NamedTuple):
     down: Linear  # I -> H
 
 
-@dataclass
-class Batch:
-    """The rows of one forward, on the weights' device, and what the host knows of their layout.
-
-    Ragged (the row back-ends): each sequence's rows contiguous, ``seqs`` and ``bounds`` say
-    where. Grid (the SDPA back-end): ``grid_slots`` x ``width`` rows, a slot's real rows first,
-    the rest padding at position 0 writing the scratch position (the last of every slot)."""
-
-    tokens: torch.Tensor  # [R] int64
-    pos: torch.Tensor  # [R] each row's position (RoPE; what it may attend)
-    slot: torch.Tensor  # [R] the cache slot it belongs to
-    write: torch.Tensor  # [R] where its keys and values go (its position; scratch for padding)
-    keep: torch.Tensor  # [K] the rows whose logits are returned, in order
-    seqs: tuple[tuple[int, int, int], ...] = ()  # ragged: (slot, first position, rows) per sequence
-    bounds: tuple[int, ...] = ()  # ragged: row offsets of the sequences (len(seqs) + 1)
-    grid_slots: slice | None = None  # grid: the slots' range
-    width: int = 0  # grid: rows per slot
-
-
 def silu(gate: torch.Tensor, b: Batch) -> torch.Tensor:
     """The MLP's activation (a hook: ``act(gate, batch)``)."""
     return F.silu(gate)
@@ -111,19 +95,6 @@ def silu_by_rows(gate: torch.Tensor, b: Batch) -> torch.Tensor:
     if len(pieces) == 1:
         return F.silu(gate)
     return torch.cat([F.silu(gate[a:z]) for a, z in pieces])
-
-
-class Attention(Protocol):
-    """An attention back-end: every row's attention over its slot's cache up to its own position
-    (the rows' keys and values already written)."""
-
-    layout: str  # "ragged" | "grid": how the host lays out the rows (Batch)
-    exact: bool  # a row's result never depends on the rows beside it
-
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Batch, scale: float
-    ) -> torch.Tensor:
-        """q [R, heads, D], one layer's cache k, v [S, kv_heads, C, D] -> [R, heads * D]."""
 
 
 @dataclass
@@ -172,8 +143,6 @@ class Weights:
         modules as they are (swapped for kernels or not), q|k|v and gate|up each fused into one
         (the parts' weights become views of the fused ones where the kind allows, else the
         parts are called side by side). ``attention``: SDPA over a grid by default."""
-        from pipespec_mpi.models.attention import GridAttention
-
         inner, arch = model.model, Arch.of(model.config)
         with torch.no_grad():
             layers = [

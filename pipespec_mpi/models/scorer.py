@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipespec_mpi.models.engine import Batch, KVCache, Weights, forward, silu_by_rows
+from pipespec_mpi.models.engine import KVCache, Weights, forward, silu_by_rows
+from pipespec_mpi.models.rows import Batch
 
 
 @dataclass(frozen=True)

@@ -7,4 +7,4 @@ Every folder here is a package, so that names may repeat (models/test_engine.py 
 simulate/test_engine.py; run/test_drain.py and tests/mpi/test_drain.py) under pytest's default
 import mode, which also keeps tests/ on sys.path for ``from conftest import`` and the shared
 helpers (tests/dispatch_levels.py, sampling_stats.py, user_rows.py). A test that uses another test
-file's helpers imports it relatively (``from ..models.cpu.test_lean import model_for``)."""
+file's helpers imports it relatively (``from ..models.cpu.test_plugins import model_for``)."""

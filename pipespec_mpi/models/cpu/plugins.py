@@ -9,7 +9,8 @@ from pipespec_mpi.models.attention import GridAttention, RowsAloneAttention
 from pipespec_mpi.models.cpu.attention import RowKernelAttention, rows_kernel
 from pipespec_mpi.models.cpu.flat_linear import FlatLinear
 from pipespec_mpi.models.cpu.lowbit import LowBitLinear
-from pipespec_mpi.models.engine import Attention, Weights, silu_by_rows
+from pipespec_mpi.models.engine import Weights, silu_by_rows
+from pipespec_mpi.models.rows import Attention
 
 
 def cpu_weights(model: torch.nn.Module, exact_rows: bool | None) -> Weights:

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 BITWISE = [
     "tests/unit/models/cpu/test_kernel_threads.py",
-    "tests/unit/models/cpu/test_lean.py::test_exact_rows_verification_equals_one_token_steps",
-    "tests/unit/models/cpu/test_lean.py::test_exact_rows_batched_rows_equal_one_token_steps",
+    "tests/unit/models/cpu/test_plugins.py::test_exact_rows_verification_equals_one_token_steps",
+    "tests/unit/models/cpu/test_plugins.py::test_batched_rows_equal_one_token_steps",
 ]
 
 

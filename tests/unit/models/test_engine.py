@@ -12,8 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models import engine as engine_module
-from pipespec_mpi.models.engine import Batch, KVCache, Weights, forward, unsupported_reason
+from pipespec_mpi.models.engine import KVCache, Weights, forward, unsupported_reason
 from pipespec_mpi.models.fallback import TransformersScorer
+from pipespec_mpi.models.rows import Batch
 from pipespec_mpi.models.scorer import Engine, EngineScorer, Request
 from pipespec_mpi.models.tiny import build_tiny
 from pipespec_mpi.speculative.greedy import accept
