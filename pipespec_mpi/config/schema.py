@@ -391,8 +391,9 @@ class DeviceConfig:
     # attention alone, bitwise the same on any threads; on a GPU torch's linears and SDPA);
     # portable: torch's linears and SDPA on every device
     kernels: Kernels = Kernels.auto
-    # the engine's forward under torch.compile; on a GPU
-    # the first forwards of each shape wait for the compiler
+    # the engine's decode and verify forward under torch.compile (whole, a few shapes; CUDA
+    # graphs on a GPU), where its plug-ins are torch's (not the CPU kernels: those stages run
+    # eager, logged); the first forward of each shape waits for the compiler
     compile: bool = False
 
 

@@ -18,28 +18,32 @@ from pipespec_mpi.models.rows import Batch
 
 class GridAttention:
     """SDPA over ``b.grid_slots`` x ``b.width`` rows, each row seeing its slot's positions up to
-    its own (padding rows see position 0 only; their results are never read)."""
+    its own within the first ``b.span`` (padding rows see position 0 only; their results are never
+    read). Grouped-query heads go packed: a group's query heads along the query axis against its
+    one key/value head, so K and V are never repeated and no kernel is ruled out by ``enable_gqa``
+    (bitwise the unpacked attention in float64: tests/unit/models/test_attention.py)."""
 
     layout = "grid"
     exact = False
-
-    def __init__(self, gqa: bool) -> None:
-        self.gqa = gqa
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: Batch, scale: float
     ) -> torch.Tensor:
         r, heads, d = q.shape
-        s_n, t_n = r // b.width, b.width
-        k, v = k[b.grid_slots], v[b.grid_slots]  # [S, kv_heads, C, D] views
-        cap = k.shape[2]
-        visible = torch.arange(cap, device=q.device) <= b.pos.view(s_n, 1, t_n, 1)  # [S, 1, T, C]
-        qg = q.view(s_n, t_n, heads, d).transpose(1, 2)
-        att = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible, scale=scale, enable_gqa=self.gqa)
-        return att.transpose(1, 2).reshape(r, heads * d)
+        s_n, t_n, kv_heads = r // b.width, b.width, k.shape[1]
+        group = heads // kv_heads
+        k, v = k[b.grid_slots, :, : b.span], v[b.grid_slots, :, : b.span]  # [S, kv_heads, L, D] views
+        visible = torch.arange(b.span, device=q.device) <= b.pos.view(s_n, 1, t_n, 1)  # [S, 1, T, L]
+        # query head h = g * group + j (transformers' repeat_kv) -> packed row j * T + t of group g
+        qg = (
+            q.view(s_n, t_n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(s_n, kv_heads, group * t_n, d)
+        )
+        mask = visible.repeat(1, 1, group, 1) if group > 1 else visible
+        att = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # [S, kv_heads, G T, D]
+        return att.view(s_n, kv_heads, group, t_n, d).permute(0, 3, 1, 2, 4).reshape(r, heads * d)
 
     def __repr__(self) -> str:
-        return "SDPA over the slots' grid"
+        return "SDPA over the slots' grid, query heads packed per group"
 
 
 class RowsAloneAttention:

@@ -125,6 +125,19 @@ class Weights:
             yield from (lay.qkv, lay.o, lay.gate_up, lay.down)
         yield self.head
 
+    def uncompilable(self) -> str | None:
+        """Why torch.compile cannot take the forward whole (None: it can): every plug-in must be
+        torch's own (the CPU kernels are extensions dynamo cannot trace)."""
+        if self.attention.layout != "grid":
+            return f"attention {self.attention!r} is not torch's"
+        parts = [p for m in self.linears() for p in (m.parts if isinstance(m, Concat) else [m])]
+        odd = sorted({type(p).__name__ for p in parts if type(p) is not torch.nn.Linear})
+        if odd:
+            return f"linears {', '.join(odd)} are not torch's"
+        if self.act is not silu:
+            return f"activation {getattr(self.act, '__name__', self.act)} is not torch's SiLU"
+        return None
+
     @property
     def max_rows(self) -> int | None:
         """The most rows a forward may carry with each row computed as if alone by every linear
@@ -147,10 +160,10 @@ class Weights:
         with torch.no_grad():
             layers = [
                 Layer(
-                    lay.input_layernorm.weight.detach(),
+                    static(lay.input_layernorm.weight.detach()),
                     fuse([lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj]),
                     lay.self_attn.o_proj,
-                    lay.post_attention_layernorm.weight.detach(),
+                    static(lay.post_attention_layernorm.weight.detach()),
                     fuse([lay.mlp.gate_proj, lay.mlp.up_proj]),
                     lay.mlp.down_proj,
                 )
@@ -159,13 +172,13 @@ class Weights:
         rotary = inner.rotary_emb
         return cls(
             arch,
-            inner.embed_tokens.weight.detach(),
+            static(inner.embed_tokens.weight.detach()),
             layers,
-            inner.norm.weight.detach(),
+            static(inner.norm.weight.detach()),
             model.lm_head,
             rotary.inv_freq.detach().float(),
             float(rotary.attention_scaling),
-            attention if attention is not None else GridAttention(arch.gqa),
+            attention if attention is not None else GridAttention(),
             act if act is not None else silu,
         )
 
@@ -267,9 +280,9 @@ class KVCache:
         shape = (slots, a.kv_heads, capacity, a.head_dim)
 
         def buffers() -> list[torch.Tensor]:
-            return [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in range(a.layers)]
+            return [static(torch.zeros(shape, device=w.device, dtype=w.dtype)) for _ in range(a.layers)]
 
-        return cls(buffers(), buffers(), *rope_table(w, capacity))
+        return cls(buffers(), buffers(), *map(static, rope_table(w, capacity)))
 
     @property
     def slots(self) -> int:
@@ -298,6 +311,14 @@ class KVCache:
             return
         kc[b.slot, :, b.write] = k
         vc[b.slot, :, b.write] = v
+
+
+def static(t: torch.Tensor) -> torch.Tensor:
+    """``t``, its address fixed for CUDA graphs (a captured graph reads and writes it in place
+    instead of copying it in on every replay)."""
+    if t.device.type == "cuda":
+        torch._dynamo.mark_static_address(t)
+    return t
 
 
 def rope_table(w: Weights, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

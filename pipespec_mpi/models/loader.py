@@ -195,6 +195,11 @@ def model_scorer(
         weights = cpu_weights(model, exact_rows)
     else:
         weights = Weights.of(model)
+    if compiled and (why := weights.uncompilable()) is not None:
+        log.warning(
+            "%s: device.compile: the forward runs eager (%s; device.kernels=portable compiles)", name, why
+        )
+        compiled = False
     n = getattr(model.config, "max_position_embeddings", None)
     engine = Engine(weights, max_context=int(n) if n else None, compiled=compiled)
     log.info("%s: %s", name, engine.describe())

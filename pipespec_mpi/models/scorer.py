@@ -12,13 +12,17 @@ their requests together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from pipespec_mpi.models.engine import KVCache, Weights, forward, silu_by_rows
 from pipespec_mpi.models.rows import Batch
+
+# the widest step the compiled forward runs (wider: eager, as a prefill)
+MAX_GRAPH_WIDTH = 64
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class Engine:
     def __init__(self, weights: Weights, max_context: int | None = None, compiled: bool = False) -> None:
         self.w = weights
         self.compiled = compiled
-        self.step = torch.compile(forward, dynamic=True) if compiled else forward
+        self.step = compile_forward(weights) if compiled else forward
         self.max_context = max_context
         self.cache = KVCache.empty(weights, 0, 1)
         self.lengths: list[int] = []
@@ -73,8 +77,9 @@ class Engine:
         self._fit(room)
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> None:
-        """A prompt's tokens into the slot's cache: one forward, whatever its width."""
-        self._forward([Request(slot, list(tokens), 1)])
+        """A prompt's tokens into the slot's cache: one forward, whatever its width (eager: a
+        prompt's width is its own, and its forward is long enough that launches do not count)."""
+        self._forward([Request(slot, list(tokens), 1)], prefill=True)
 
     def run(self, requests: Sequence[Request]) -> list[torch.Tensor]:
         """Each request's logits [keep, V] (its tokens appended to its slot's sequence)."""
@@ -115,14 +120,15 @@ class Engine:
         return torch.cat(parts)
 
     @torch.inference_mode()
-    def _forward(self, requests: Sequence[Request]) -> list[torch.Tensor]:
+    def _forward(self, requests: Sequence[Request], prefill: bool = False) -> list[torch.Tensor]:
         """One forward of ``requests`` (each slot at most once)."""
         self._fit(max(self.lengths[r.slot] + len(r.tokens) for r in requests))
+        step = forward if prefill or max(len(r.tokens) for r in requests) > MAX_GRAPH_WIDTH else self.step
         if self.w.attention.layout == "grid":
-            b, keeps = self._grid(requests)
+            b, keeps = self._grid(requests, bucketed=step is not forward)
         else:
             b, keeps = self._ragged(requests)
-        logits = self.step(self.w, self.cache, b)
+        logits = step(self.w, self.cache, b)
         out, at = [], 0
         for r, n in zip(requests, keeps, strict=True):
             self.lengths[r.slot] += len(r.tokens)
@@ -141,22 +147,24 @@ class Engine:
             slot.extend([r.slot] * n)
             seqs.append((r.slot, start, n))
             bounds.append(bounds[-1] + n)
-        idx = self._device([tokens, pos, slot, keep])
-        rows = len(tokens)
-        b = Batch(
-            tokens=idx[:rows], pos=idx[rows : 2 * rows], slot=idx[2 * rows : 3 * rows],
-            write=idx[rows : 2 * rows], keep=idx[3 * rows :], seqs=tuple(seqs), bounds=tuple(bounds),
-        )  # fmt: skip
+        layout = {"seqs": tuple(seqs), "bounds": tuple(bounds)}
+        b = Batch.of(self.w.device, tokens, pos, slot, pos, keep, **layout)
         return b, [r.keep for r in requests]
 
-    def _grid(self, requests: Sequence[Request]) -> tuple[Batch, list[int]]:
+    def _grid(self, requests: Sequence[Request], bucketed: bool) -> tuple[Batch, list[int]]:
         """The slots' range as a grid of ``width`` rows each: a slot's real rows first, the rest
-        padding at position 0 writing the scratch position; slots not asked are all padding."""
-        first = min(r.slot for r in requests)
-        last = max(r.slot for r in requests)
+        padding at position 0 writing the scratch position; slots not asked are all padding.
+        ``bucketed`` (the compiled forward): slots from the first, their count, the width and the
+        attended length each a power of two, so that a few shapes serve every step."""
+        first, last = min(r.slot for r in requests), max(r.slot for r in requests)
         width = max(len(r.tokens) for r in requests)
-        n_rows = (last - first + 1) * width
+        end = max(self.lengths[r.slot] + len(r.tokens) for r in requests)
         scratch = self.cache.capacity - 1
+        span = scratch
+        if bucketed:
+            first, last = 0, min(bucket(last + 1), self.cache.slots) - 1
+            width, span = bucket(width), min(bucket(end), scratch)
+        n_rows = (last - first + 1) * width
         tokens, pos, write = [0] * n_rows, [0] * n_rows, [scratch] * n_rows
         slot = [first + i // width for i in range(n_rows)]
         keep = []
@@ -165,18 +173,36 @@ class Engine:
             tokens[at : at + n] = r.tokens
             pos[at : at + n] = write[at : at + n] = range(start, start + n)
             keep.extend(range(at + n - r.keep, at + n))
-        idx = self._device([tokens, pos, slot, write, keep])
-        b = Batch(
-            tokens=idx[:n_rows], pos=idx[n_rows : 2 * n_rows], slot=idx[2 * n_rows : 3 * n_rows],
-            write=idx[3 * n_rows : 4 * n_rows], keep=idx[4 * n_rows :],
-            grid_slots=slice(first, last + 1), width=width,
-        )  # fmt: skip
+        layout = {"grid_slots": slice(first, last + 1), "width": width, "span": span}
+        b = Batch.of(self.w.device, tokens, pos, slot, write, keep, **layout)
         return b, [r.keep for r in requests]
 
-    def _device(self, parts: list[list[int]]) -> torch.Tensor:
-        """The rows' indices as one int64 tensor on the weights' device (one copy)."""
-        host = torch.tensor([i for p in parts for i in p], dtype=torch.long)
-        return host.to(self.w.device)
+
+def compile_forward(
+    w: Weights, backend: str = "inductor"
+) -> Callable[[Weights, KVCache, Batch], torch.Tensor]:
+    """``forward`` under torch.compile as a job runs it (``device.compile``): whole
+    (``fullgraph``), shapes dynamic, each size its own symbol (no duck sizing: two sizes equal
+    once are not assumed equal ever after). On CUDA its graphs are captured (``reduce-overhead``;
+    the weights and the cache buffers keep static addresses). ``backend``: tests count graphs on
+    a cheaper one."""
+    mode = "reduce-overhead" if w.device.type == "cuda" else None
+    step = torch.compile(forward, dynamic=True, fullgraph=True, mode=mode, backend=backend)
+
+    def run(w: Weights, cache: KVCache, b: Batch) -> torch.Tensor:
+        if mode is not None:  # a new replay: the last one's outputs were copied out below
+            torch.compiler.cudagraph_mark_step_begin()
+        with fx_config.patch(use_duck_shape=False):
+            logits = step(w, cache, b)
+        return logits if mode is None else logits.clone()  # the graph's output memory is reused
+
+    return run
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n``: the few widths and attended lengths a compiled forward
+    sees (each a graph to compile once, and on CUDA one to capture)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _linear_name(m: object) -> str:

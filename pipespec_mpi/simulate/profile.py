@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,26 +77,38 @@ def _median_s(fn: Callable[[], object], sync: Callable[[], None], repeats: int) 
 def measure(shape: str, device: str, dtype: str, context: int, repeats: int, compiled: bool,
             batches: Sequence[int] = BATCHES) -> dict:  # fmt: skip
     """Seconds of the engine's forwards of ``shape``: verify_s[k] (one sequence, k rows),
-    batch_s[B] (B sequences of one row), each at ``context`` positions of context."""
+    batch_s[B] (B sequences of one row), each at ``context`` positions of context; compiled, as
+    a job compiles it (models/scorer.py ``compile_forward``), with its graph count and the
+    seconds its first calls took (compiling)."""
     import torch
+    from torch._dynamo.utils import counters
 
     from pipespec_mpi.models import engine as eng
-    from pipespec_mpi.models.scorer import Request
+    from pipespec_mpi.models.scorer import Request, compile_forward
 
     top = max(batches)
     engine = random_engine(shape, device, dtype, top, context + 32)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     out: dict = {"params": params(shape), "context": context, "verify_s": {}, "batch_s": {}}
+
+    def run(reqs: list[Request]) -> None:
+        for req in reqs:
+            engine.lengths[req.slot] = context
+        engine.run(reqs)
+
     modes = [("eager", eng.forward)]
     if compiled:
-        modes.append(("compiled", torch.compile(eng.forward, dynamic=True)))
+        modes.append(("compiled", compile_forward(engine.w)))
     for mode, fn in modes:
-        engine.step = fn
-
-        def run(reqs):
-            for req in reqs:
-                engine.lengths[req.slot] = context
-            engine.run(reqs)
+        engine.step, engine.compiled = fn, mode == "compiled"
+        if engine.compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            t0 = time.perf_counter()
+            for k in (1, 2):  # the first calls compile: a one-token step and a verification
+                run([Request(0, [1] * k, k)])
+            sync()
+            out["compile_s"] = time.perf_counter() - t0
 
         verify = {k: _median_s(lambda k=k: run([Request(0, [1] * k, k)]), sync, repeats) for k in VERIFY_ROWS}
         batch = {
@@ -105,6 +118,9 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
         key = "" if mode == "eager" else "compiled_"
         out[key + "verify_s"] = {str(k): v for k, v in verify.items()}
         out[key + "batch_s"] = {str(b): v for b, v in batch.items()}
+        if engine.compiled:
+            out["compiled_graphs"] = counters["stats"]["unique_graphs"]
+            out["graph_breaks"] = sum(counters["graph_break"].values())
     return out
 
 
@@ -169,10 +185,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = [b for b in BATCHES if b <= a.max_batch]
     for name in names:
         doc["models"][name] = measure(name, a.device, dtype, a.context, a.repeats, a.compile, batches)
-        print(f"{name}: one row {1000 * doc['models'][name]['verify_s']['1']:.2f} ms", flush=True)
+        _report(name, doc["models"][name])
     Path(a.out).write_text(json.dumps(doc, indent=2))
     print(f"profile written to {a.out}")
     return 0
+
+
+def _report(name: str, m: dict) -> None:
+    """Eager and compiled milliseconds per bucket, and the compiled forward's graphs."""
+    print(f"{name}: ms per forward at {m['context']} positions (eager / compiled)")
+    for kind, label in (("verify_s", "rows"), ("batch_s", "slots")):
+        for n, s in m[kind].items():
+            c = m.get("compiled_" + kind, {}).get(n)
+            print(f"  {n:>3} {label:5} {1000 * s:8.2f}" + (f" / {1000 * c:8.2f}" if c is not None else ""))
+    if "compiled_graphs" in m:
+        print(f"  compiled: {m['compiled_graphs']} graphs, {m['graph_breaks']} graph breaks, "
+              f"first calls {m['compile_s']:.1f} s")  # fmt: skip
+    sys.stdout.flush()
 
 
 def _cpu_name() -> str:

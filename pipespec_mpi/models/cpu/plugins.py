@@ -24,7 +24,7 @@ def cpu_weights(model: torch.nn.Module, exact_rows: bool | None) -> Weights:
     kernel = rows_kernel() if weights.dtype == torch.float32 else None
     if exact_rows is None:
         exact_rows = kernel is not None
-    attention: Attention = GridAttention(a.gqa)
+    attention: Attention = GridAttention()
     if exact_rows and kernel is not None:
         attention = RowKernelAttention(kernel)
     elif exact_rows and weights.max_rows is not None:

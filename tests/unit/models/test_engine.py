@@ -6,16 +6,20 @@ engine's device, or a host sync, raises there); and its decode and verify steps 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models import engine as engine_module
-from pipespec_mpi.models.engine import KVCache, Weights, forward, unsupported_reason
+from pipespec_mpi.models.engine import Weights, unsupported_reason
 from pipespec_mpi.models.fallback import TransformersScorer
 from pipespec_mpi.models.rows import Batch
-from pipespec_mpi.models.scorer import Engine, EngineScorer, Request
+from pipespec_mpi.models.scorer import Engine, EngineScorer, Request, compile_forward
 from pipespec_mpi.models.tiny import build_tiny
 from pipespec_mpi.speculative.greedy import accept
 
@@ -161,35 +165,92 @@ def test_meta_catches_a_host_sync():
 def grid(tokens: list[list[int]], start: list[int], capacity: int) -> Batch:
     """The grid batch of slots 0..S-1, each with its tokens (padded to the widest) from ``start``."""
     width = max(map(len, tokens))
-    rows = [(s, j) for s in range(len(tokens)) for j in range(width)]
-    real = [(s, j, j < len(tokens[s])) for s, j in rows]
-    return Batch(
-        tokens=torch.tensor([tokens[s][j] if ok else 0 for s, j, ok in real]),
-        pos=torch.tensor([start[s] + j if ok else 0 for s, j, ok in real]),
-        slot=torch.tensor([s for s, _ in rows]),
-        write=torch.tensor([start[s] + j if ok else capacity - 1 for s, j, ok in real]),
-        keep=torch.arange(len(rows)), grid_slots=slice(0, len(tokens)), width=width,
+    rows = [(s, j, j < len(tokens[s])) for s in range(len(tokens)) for j in range(width)]
+    return Batch.of(
+        torch.device("cpu"),
+        tokens=[tokens[s][j] if ok else 0 for s, j, ok in rows],
+        pos=[start[s] + j if ok else 0 for s, j, ok in rows],
+        slot=[s for s, _, _ in rows],
+        write=[start[s] + j if ok else capacity - 1 for s, j, ok in rows],
+        keep=list(range(len(rows))), grid_slots=slice(0, len(tokens)), width=width, span=capacity - 1,
     )  # fmt: skip
 
 
+def one_layer(dtype: torch.dtype) -> LlamaForCausalLM:
+    """The tiny model cut to its first layer (what compiles is the same, in less time)."""
+    model = tiny(dtype)
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    return model
+
+
+def stage_schedule(slots: list[EngineScorer]) -> list[torch.Tensor]:
+    """What a stage asks of its engine: prompts of many lengths (the cache growing), one-token
+    steps, verifications of 1..16 proposals, one slot, some and all slots together, a catch-up of
+    several tokens after a rollback."""
+    out = []
+    for rnd, plen in enumerate([5, 30, 70]):
+        seqs = [[(3 * j + i + rnd) % 200 for j in range(plen + i)] for i in range(len(slots))]
+        for s, seq in zip(slots, seqs, strict=True):
+            s.prefill(seq, room=20)
+        for k in (0, 1, 3, 8, 16):
+            asks = [(s, seqs[i], list(range(k))) for i, s in enumerate(slots)]
+            for group in ([asks[k % len(slots)]], asks[1:], asks):
+                out += slots[0].score_many(group)
+                for s, seq, _ in group:  # a rollback: the next request catches up 1 to 3 tokens
+                    s.truncate(len(seq) - 1 - (k % 3))
+    return out
+
+
 @pytest.mark.slow
-def test_decode_and_verify_steps_compile_fullgraph():
+def test_the_compiled_step_is_one_graph_per_few_shapes_under_the_jobs_flags():
+    """``device.compile`` as a job runs it (``compile_forward``: fullgraph, dynamic shapes) over a
+    stage's schedule: no graph break, no recompile past dynamo's limit (each would raise under
+    ``fullgraph``), at most 4 graphs, and the eager engine's numbers. Graphs are counted on the
+    aot_eager backend (what dynamo captures does not depend on the backend)."""
     torch._dynamo.reset()
-    w = Weights.of(tiny(torch.float32))
-    cache = KVCache.empty(w, 3, 64)
-    step = torch.compile(forward, fullgraph=True, backend="aot_eager")
-    verdicts = torch.compile(accept, fullgraph=True, backend="aot_eager")
-    start = [10, 20, 30]
-    decode = step(w, cache, grid([[1], [2], [3]], start, 64))
-    assert decode.shape == (3, w.arch.vocab)
-    tokens = [[1, 5, 6, 7], [2, 8], [3, 9, 9]]
-    rows = step(w, cache, grid(tokens, start, 64)).view(3, 4, -1)
-    eager = forward(w, KVCache.empty(w, 3, 64), grid(tokens, start, 64)).view(3, 4, -1)
-    assert torch.allclose(rows[0], eager[0], atol=1e-5)  # slot 0's cache saw the same writes since start
-    count = torch.tensor([4, 2, 3])
+    counters.clear()
+    w = Weights.of(one_layer(torch.float64))
+    eng = Engine(w)
+    eng.step, eng.compiled = compile_forward(w, backend="aot_eager"), True
+    compiled = stage_schedule([EngineScorer("c", eng) for _ in range(3)])
+    ref_eng = Engine(w)
+    eager = stage_schedule([EngineScorer("e", ref_eng) for _ in range(3)])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    verdicts = torch.compile(accept, fullgraph=True, dynamic=True, backend="aot_eager")
     padded = torch.tensor([[1, 5, 6, 7], [2, 8, 0, 0], [3, 9, 9, 0]])
-    got = verdicts(padded[:, 1:], count - 1, rows.argmax(-1))
-    assert got.shape == (3, 2)
+    assert verdicts(padded[:, 1:], torch.tensor([3, 1, 2]), torch.randn(3, 4, 9).argmax(-1)).shape == (3, 2)
+
+
+@pytest.mark.slow
+def test_inductor_writes_the_cache_in_place():
+    """Inductor's code for a compiled step passes each layer's key and value buffers to the kernel
+    that writes the new rows as outputs (written in place, no copy of the cache in or out)."""
+    torch._dynamo.reset()
+    w = Weights.of(one_layer(torch.float32))
+    eng = Engine(w, compiled=True)
+    a, b = EngineScorer("c", eng), EngineScorer("c", eng)
+    a.prefill(PROMPT, room=8)
+    b.prefill(PROMPT[:20], room=8)
+    _, codes = run_and_get_code(lambda: a.score_many([(a, PROMPT, [3, 4]), (b, PROMPT[:20], [5])]))
+    (code,) = codes
+    call = code[code.index("def call(") :]
+    assert "copy_(" not in call and "aten.index_put" not in call and "scatter" not in call
+    inputs = {m for m in re.findall(r"\b(arg\d+_1)\b", call)}
+    caches = {
+        n for n in inputs if re.search(rf"assert_size_stride\({n}, \([^()]*,[^()]*,[^()]*,[^()]*\)", call)
+    }
+    assert len(caches) == 2, caches  # the layer's k and v buffers [S, kv_heads, C, D]
+    written = set()
+    for kernel, args in re.findall(r"(cpp_fused_\w*index_put\w*)\(([^)]*)\)", call):
+        types = re.search(rf"{kernel} = async_compile.cpp_pybinding\(\[([^\]]*)\]", code).group(1)
+        for t, arg in zip(types.split(", "), args.split(", "), strict=False):
+            if arg in caches and "const" not in t:
+                written.add(arg)
+    assert written == caches, (written, caches)
 
 
 @pytest.mark.slow

@@ -306,3 +306,14 @@ def test_the_scorer_says_what_it_runs_and_whether_threads_matter():
     portable = engine_for(model_for(), kernels="portable")
     assert not portable.thread_invariant and "attention SDPA over the slots' grid" in portable.describe()
     assert {type(m).__name__ for m in portable.engine.w.linears()} == {"Linear"}
+
+
+def test_device_compile_runs_the_kernels_eager_and_says_so(caplog):
+    """The CPU kernels are extensions dynamo cannot trace whole: such a stage runs eager, logged;
+    the portable plug-ins compile."""
+    assert "attention row kernel" in engine_for(model_for()).engine.w.uncompilable()
+    assert engine_for(model_for(), kernels="portable").engine.w.uncompilable() is None
+    with caplog.at_level("WARNING"):
+        sc = model_scorer("t", model_for(), kernels="auto", exact_rows=None, compiled=True, flat_linear=True,
+                          exact_blocks=False)  # fmt: skip
+    assert not sc.engine.compiled and "device.compile: the forward runs eager" in caplog.text
