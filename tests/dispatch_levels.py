@@ -14,14 +14,14 @@ AVX2 = {
 
 
 def levels() -> dict[str, dict[str, str]]:
-    """Name -> environment: the machine as it is; an AVX2-only CPU (every library capped at
-    AVX2, the kernels' AVX2 build); where the CPU has AVX-512, MKL on its AVX2 path beside
-    AVX-512 torch and kernels (what MKL takes on AMD CPUs); torch's scalar dispatch."""
+    """Name -> environment: the machine as it is; where the CPU has AVX-512, an AVX2-only CPU
+    (every library capped at AVX2, the kernels' AVX2 build; on an AVX2-only CPU that is the
+    machine as it is) and MKL on its AVX2 path beside AVX-512 torch and kernels (what MKL takes on
+    AMD CPUs); torch's scalar dispatch."""
     isas = supported_isas()
     out: dict[str, dict[str, str]] = {"native": {}}
-    if "avx2" in isas:
-        out["avx2"] = AVX2
     if "avx512" in isas:
+        out["avx2"] = AVX2
         out["mkl-avx2"] = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     out["torch-default"] = {"ATEN_CPU_CAPABILITY": "default"}
     return out

@@ -39,6 +39,7 @@ class Arch:
 
     vocab: int
     hidden: int
+    intermediate: int
     layers: int
     heads: int
     kv_heads: int
@@ -55,6 +56,7 @@ class Arch:
         return cls(
             vocab=int(config.vocab_size),
             hidden=int(config.hidden_size),
+            intermediate=int(config.intermediate_size),
             layers=int(config.num_hidden_layers),
             heads=heads,
             kv_heads=kv_heads,
@@ -122,8 +124,8 @@ class Weights:
     def linears(self) -> Iterator[Linear]:
         """Every linear it computes with (the LM head last)."""
         for lay in self.layers:
-            yield from (lay.qkv, lay.o, lay.gate_up, lay.down)
-        yield self.head
+            yield from map(module_of, (lay.qkv, lay.o, lay.gate_up, lay.down))
+        yield module_of(self.head)
 
     def uncompilable(self) -> str | None:
         """Why torch.compile cannot take the forward whole (None: it can): every plug-in must be
@@ -161,11 +163,11 @@ class Weights:
             layers = [
                 Layer(
                     static(lay.input_layernorm.weight.detach()),
-                    fuse([lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj]),
-                    lay.self_attn.o_proj,
+                    direct(fuse([lay.self_attn.q_proj, lay.self_attn.k_proj, lay.self_attn.v_proj])),
+                    direct(lay.self_attn.o_proj),
                     static(lay.post_attention_layernorm.weight.detach()),
-                    fuse([lay.mlp.gate_proj, lay.mlp.up_proj]),
-                    lay.mlp.down_proj,
+                    direct(fuse([lay.mlp.gate_proj, lay.mlp.up_proj])),
+                    direct(lay.mlp.down_proj),
                 )
                 for lay in inner.layers[: arch.layers]
             ]
@@ -175,12 +177,24 @@ class Weights:
             static(inner.embed_tokens.weight.detach()),
             layers,
             static(inner.norm.weight.detach()),
-            model.lm_head,
+            direct(model.lm_head),
             rotary.inv_freq.detach().float(),
             float(rotary.attention_scaling),
             attention if attention is not None else GridAttention(),
             act if act is not None else silu,
         )
+
+
+def direct(m: Linear) -> Linear:
+    """A linear module's own ``forward`` (nn.Module's ``__call__`` costs ~5 us of hook checks,
+    ~0.6 ms over a small model's 121 linears a step; the engine refuses models with hooks)."""
+    return m.forward if isinstance(m, torch.nn.Module) else m
+
+
+def module_of(f: Linear) -> Linear:
+    """The module behind a ``direct`` linear (the linear itself where it is a plain function)."""
+    owner = getattr(f, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else f
 
 
 class Concat(torch.nn.Module):
@@ -273,6 +287,7 @@ class KVCache:
     v: list[torch.Tensor]
     cos: torch.Tensor  # [C, D] in the weights' dtype
     sin: torch.Tensor  # [C, D], its first half negated (``rotate``)
+    _by_slot: list | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, w: Weights, slots: int, capacity: int) -> KVCache:
@@ -300,17 +315,36 @@ class KVCache:
             new[:s, :, :c].copy_(old[:s, :, :c])
         return out
 
-    def write(self, i: int, b: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``i``'s keys and values of the rows [R, kv_heads, D], in place: a ragged batch's
-        sequences each as one slice copy (its positions are contiguous), a grid's rows scattered."""
-        kc, vc = self.k[i], self.v[i]
+    def write(
+        self, i: int, b: Batch, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Layer ``i``'s keys (rotated here) and values of the rows [R, kv_heads, D], in place: a
+        ragged batch's sequences each rotated straight into its slot's positions (they are
+        contiguous), a grid's rows scattered."""
         if b.seqs:
+            ks, vs = self.by_slot[i]
+            if len(b.seqs) == 1:  # one sequence (a CPU stage's forward): its rows as they are
+                ((slot, start, n),) = b.seqs
+                rotate(k, cos, sin, out=ks[slot].narrow(1, start, n).transpose(0, 1))
+                vs[slot].narrow(1, start, n).transpose(0, 1).copy_(v)
+                return
             for (slot, start, n), lo in zip(b.seqs, b.bounds, strict=False):
-                kc[slot, :, start : start + n].copy_(k[lo : lo + n].transpose(0, 1))
-                vc[slot, :, start : start + n].copy_(v[lo : lo + n].transpose(0, 1))
+                rows = slice(lo, lo + n)
+                rotate(k[rows], cos[rows], sin[rows], out=ks[slot].narrow(1, start, n).transpose(0, 1))
+                vs[slot].narrow(1, start, n).transpose(0, 1).copy_(v[rows])
             return
-        kc[b.slot, :, b.write] = k
-        vc[b.slot, :, b.write] = v
+        self.k[i][b.slot, :, b.write] = rotate(k, cos, sin)
+        self.v[i][b.slot, :, b.write] = v
+
+    @property
+    def by_slot(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per layer, each slot's key and value buffers [kv_heads, C, D] (views made once: a
+        ragged write costs no indexing ops)."""
+        if self._by_slot is None:
+            self._by_slot = [
+                (list(k.unbind(0)), list(v.unbind(0))) for k, v in zip(self.k, self.v, strict=True)
+            ]
+        return self._by_slot
 
 
 def static(t: torch.Tensor) -> torch.Tensor:
@@ -346,10 +380,12 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Llama's ``x * cos + rotate_half(x) * sin`` as ``x * cos + roll(x, D/2) * sin`` with the
     signed sin of ``rope_table``: the same products ((-a) * b == a * (-b)), 4 ops instead of 7."""
-    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin)
+    return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin, out=out)
 
 
 def forward(w: Weights, cache: KVCache, b: Batch) -> torch.Tensor:
@@ -358,17 +394,17 @@ def forward(w: Weights, cache: KVCache, b: Batch) -> torch.Tensor:
     a = w.arch
     r = b.tokens.shape[0]
     cos, sin = cache.cos[b.pos][:, None, :], cache.sin[b.pos][:, None, :]  # [R, 1, D]
-    qn, kn = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    heads = (a.heads, a.kv_heads, a.kv_heads)
     x = w.embed[b.tokens]  # [R, H]
     for i, lay in enumerate(w.layers):
         h = rms_norm(x, lay.ln1, a.eps)
-        q, k, v = lay.qkv(h).split((qn, kn, kn), dim=-1)
-        q = rotate(q.view(r, a.heads, a.head_dim), cos, sin)
-        k = rotate(k.view(r, a.kv_heads, a.head_dim), cos, sin)
-        cache.write(i, b, k, v.view(r, a.kv_heads, a.head_dim))
+        q, k, v = lay.qkv(h).view(r, -1, a.head_dim).split(heads, dim=1)  # [R, heads, D] each
+        q = rotate(q, cos, sin)
+        cache.write(i, b, k, v, cos, sin)
         x = x + lay.o(w.attention(q, cache.k[i], cache.v[i], b, a.scale))
         h = rms_norm(x, lay.ln2, a.eps)
-        gate, up = lay.gate_up(h).chunk(2, dim=-1)
+        gate_up = lay.gate_up(h)
+        gate, up = gate_up[:, : a.intermediate], gate_up[:, a.intermediate :]
         x = x + lay.down(w.act(gate, b) * up)
     x = rms_norm(x[b.keep], w.norm, a.eps)
     return w.head(x).float()

@@ -197,7 +197,7 @@ CASES: list[Case] = [
             extra=("dataset.seed=7",),
             env=MappingProxyType(env),
             timeout=600,
-            tier="ci" if level == "avx2" else "long",
+            tier="ci" if level == "avx2" else "long",  # avx2: where the CPU has AVX-512
         )
         for level, env in _LEVELS.items()
     ),

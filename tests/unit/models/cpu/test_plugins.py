@@ -18,7 +18,7 @@ from pipespec_mpi.config import TinyBaseConfig
 from pipespec_mpi.models.attention import GridAttention, RowsAloneAttention
 from pipespec_mpi.models.cpu import flat_linear
 from pipespec_mpi.models.cpu.attention import RowKernelAttention, rows_kernel
-from pipespec_mpi.models.engine import Concat, rope_table, rotate
+from pipespec_mpi.models.engine import Concat, module_of, rope_table, rotate
 from pipespec_mpi.models.fallback import TransformersScorer, use_sdpa_gqa
 from pipespec_mpi.models.loader import model_scorer
 from pipespec_mpi.models.scorer import EngineScorer
@@ -111,7 +111,7 @@ def test_block_exact_weights_are_read_from_their_blocks_bitwise():
     ref = engine_for(floats, exact_blocks=False)
     got = engine_for(blocks)
     kinds = {f"{type(m).__name__}[{m.blocks.fmt}]" for m in got.engine.w.linears()}
-    assert kinds == {"FlatLinear[q4]", "FlatLinear[q8]"} and got.engine.w.head.blocks.fmt == "q8"
+    assert kinds == {"FlatLinear[q4]", "FlatLinear[q8]"} and module_of(got.engine.w.head).blocks.fmt == "q8"
     assert "FlatLinear[q4]+FlatLinear[q8]" in got.describe()
     for i, (a, b) in enumerate(zip(run_rounds(ref), run_rounds(got), strict=True)):
         assert torch.equal(a, b), i
@@ -124,7 +124,7 @@ def test_a_dynamic_int8_copy_runs_on_the_engine():
         return quantize_dynamic(model_for(), {torch.nn.Linear}, dtype=torch.qint8)
 
     sc = engine_for(int8())
-    assert isinstance(sc.engine.w.layers[0].qkv, Concat)  # they do not fuse: called side by side
+    assert isinstance(module_of(sc.engine.w.layers[0].qkv), Concat)  # they do not fuse: called side by side
     assert "linears quantized.dynamic.Linear" in sc.describe()
     assert_close(reference(int8()), run_rounds(sc), tol=1e-3)
 
