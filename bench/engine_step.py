@@ -1,103 +1,91 @@
-"""The target's forwards on the engine against another commit's, interleaved in one run.
+"""The target's forwards on the engine against another commit's, paired call by call in one process.
 
-    .venv/bin/python bench/engine_step.py --other /path/to/checkout [--rounds 7] [--threads 2]
+    .venv/bin/python bench/engine_step.py --other /path/to/checkout [--pairs 60] [--threads 2]
 
 Times what a stage's forwards cost on the embedded SmolLM2 (the default job's target, as
-``load_stage`` builds it, exact rows): a one-token step, verifications of 4 and 8 proposals, and
-a batched step of 4 slots, each at 200 positions of context; this tree and ``--other`` (a checkout
-of any commit with ``load_stage``) alternate in fresh processes, round by round, so that the
-machine's drift hits both alike. Prints the medians and their ratio (this / other).
+``load_stage`` builds it, exact rows): a one-token step and verifications of 4 and 8 proposals at
+200 positions of context. The other checkout's package is copied under another name
+(``pipespec_other``) so that both load in this process; their calls alternate, in alternating
+order, so the machine's drift (up to 2x within minutes on these CPUs) hits every pair alike.
+Prints each side's median and the median of the paired ratios (this / other), and whether their
+logits are bitwise equal.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-CASES = ("step", "verify4", "verify8", "batch4")
+CONTEXT = 200
 
 
-def measure(repeats: int, context: int) -> dict[str, float]:
-    """Median seconds of each case on this interpreter's package (run in a child)."""
-    import torch
+def other_package(checkout: Path, into: Path) -> None:
+    """``checkout``'s pipespec_mpi as ``into``/pipespec_other (imports renamed, its conf/ beside)."""
+    dst = into / "pipespec_other"
+    shutil.copytree(checkout / "pipespec_mpi", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in dst.rglob("*.py"):
+        path.write_text(path.read_text().replace("pipespec_mpi", "pipespec_other"))
+    (into / "conf").symlink_to(checkout / "conf")
 
-    from pipespec_mpi.config import compose_config
-    from pipespec_mpi.models.loader import load_stage
 
-    try:
-        from pipespec_mpi.stage.batch import score_batch
-    except ImportError:  # commits before the engine's score_many
-        from pipespec_mpi.models.base import score_batch
-
-    hier = compose_config(["hierarchy=smollm2_suffix"]).hierarchy
-    sc = load_stage(hier, hier.n_stages - 1, [])
-    prompt = [(17 * i + 5) % 40000 for i in range(context)]
-    slots = [sc] + [sc.for_slot() for _ in range(3)]
-    for s in slots:
-        s.prefill(prompt, room=32)
-
-    def one(k: int) -> None:
-        sc.logits(prompt, [11] * k)
-        sc.truncate(context - 1)
-
-    def batch() -> None:
-        score_batch([(s, prompt, []) for s in slots])
-        for s in slots:
-            s.truncate(context - 1)
-
-    fns = {"step": lambda: one(0), "verify4": lambda: one(4), "verify8": lambda: one(8), "batch4": batch}
-    out = {}
-    with torch.inference_mode():
-        for name, fn in fns.items():
-            fn()
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            out[name] = statistics.median(times)
-    return out
+def target(package: str):
+    """The default pair's target stage, loaded by ``package``'s own loader."""
+    config = __import__(f"{package}.config", fromlist=["compose_config"])
+    loader = __import__(f"{package}.models.loader", fromlist=["load_stage"])
+    hier = config.compose_config(["hierarchy=smollm2_suffix"]).hierarchy
+    return loader.load_stage(hier, hier.n_stages - 1, [])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--other", required=True, help="a checkout of the commit to compare with")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
-        import torch
+    import torch
 
-        torch.set_num_threads(a.threads)
-        print(json.dumps(measure(a.repeats, a.context)))
-        return
+    torch.set_num_threads(a.threads)
     here = Path(__file__).resolve().parents[1]
-    trees = {"this": here, "other": Path(a.other).resolve()}
-    got: dict[str, dict[str, list[float]]] = {t: {c: [] for c in CASES} for t in trees}
-    for r in range(a.rounds):
-        for name, tree in trees.items() if r % 2 == 0 else reversed(trees.items()):
-            cmd = [sys.executable, str(here / "bench" / "engine_step.py"), "--other", ".", "--child",
-                   "--repeats", str(a.repeats), "--context", str(a.context),
-                   "--threads", str(a.threads)]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            res = json.loads(subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True,
-                                            check=True).stdout.splitlines()[-1])  # fmt: skip
-            for c in CASES:
-                got[name][c].append(res[c])
-        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-    print(f"{'case':10} {'this ms':>9} {'other ms':>9} {'this/other':>11}")
-    for c in CASES:
-        t, o = statistics.median(got["this"][c]), statistics.median(got["other"][c])
-        print(f"{c:10} {t * 1e3:9.2f} {o * 1e3:9.2f} {t / o:11.3f}")
+    sys.path.insert(0, str(here))
+    with tempfile.TemporaryDirectory() as tmp:
+        other_package(Path(a.other).resolve(), Path(tmp))
+        sys.path.insert(0, tmp)
+        scorers = {"this": target("pipespec_mpi")}
+        cwd = os.getcwd()
+        os.chdir(a.other)  # the other loader finds its conf/ and data from its checkout
+        scorers["other"] = target("pipespec_other")
+        os.chdir(cwd)
+        prompt = [(17 * i + 5) % 40000 for i in range(CONTEXT)]
+        times: dict[tuple[int, str], list[float]] = {}
+        with torch.inference_mode():
+            for sc in scorers.values():
+                sc.prefill(prompt, room=32)
+            same = []
+            for sc in scorers.values():
+                same.append(sc.logits(prompt, [11] * 8))
+                sc.truncate(CONTEXT - 1)
+            print(f"logits bitwise equal: {torch.equal(*same)}")
+            print(f"{'case':10} {'this ms':>9} {'other ms':>9} {'paired this/other':>18}")
+            for k in (0, 4, 8):
+                order = list(scorers.items())
+                for i in range(3 + a.pairs):
+                    for name, sc in order if i % 2 == 0 else order[::-1]:
+                        t0 = time.perf_counter()
+                        sc.logits(prompt, [11] * k)
+                        sc.truncate(CONTEXT - 1)
+                        if i >= 3:
+                            times.setdefault((k, name), []).append(time.perf_counter() - t0)
+                this, other = times[(k, "this")], times[(k, "other")]
+                ratio = statistics.median(t / o for t, o in zip(this, other, strict=True))
+                case = "step" if k == 0 else f"verify{k}"
+                print(f"{case:10} {statistics.median(this) * 1e3:9.2f} {statistics.median(other) * 1e3:9.2f} "
+                      f"{ratio:18.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
