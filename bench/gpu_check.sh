@@ -36,8 +36,10 @@ print(f"  {doc['device']} ({doc['dtype']}), torch {doc['torch']}")
 for name, m in doc["models"].items():
     v, b = m["verify_s"], m["batch_s"]
     cv = m.get("compiled_verify_s", {})
-    print(f"  {name:>5}: AR step {1e3 * v['1']:.2f} ms eager, {1e3 * cv.get('1', float('nan')):.2f} compiled;"
-          f" verify 16 rows {1e3 * v['16']:.2f} ms; batch " + ", ".join(f"{k}: {1e3 * s:.1f}" for k, s in b.items()) + " ms")
+    print(f"  {name:>5}: AR step {1e3 * v['1']:.2f} ms eager, {1e3 * cv.get('1', float('nan')):.2f} compiled"
+          f" (CUDA graphs: {m.get('compiled_graphs')} graphs, {m.get('graph_breaks')} breaks, first calls"
+          f" {m.get('compile_s', float('nan')):.0f} s); verify 16 rows {1e3 * v['16']:.2f} ms; batch "
+          + ", ".join(f"{k}: {1e3 * s:.1f}" for k, s in b.items()) + " ms")
 EOF
 
 check_equal() {  # every method's outputs equal AR's, per batch size

@@ -78,17 +78,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--llama-args", default="", help="more llama-completion arguments (e.g. --no-repack)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"ours to run, of: {', '.join(CONFIGS)}")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
     from pipespec_mpi.models.smollm2 import GGUF_NAME, ensure_cache, gguf_dir
 
     tok = AutoTokenizer.from_pretrained(ensure_cache())
-    rows: dict[str, list[float]] = {name: [] for name in [*CONFIGS, "llama.cpp", "llama.cpp decode only"]}
+    ours = {name: CONFIGS[name] for name in a.configs.split(",")}
+    rows: dict[str, list[float]] = {name: [] for name in [*ours, "llama.cpp", "llama.cpp decode only"]}
     texts: list[str] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for name, extra in CONFIGS.items():
+            for name, extra in ours.items():
                 ms, recs = our_run(extra, a, Path(tmp) / f"{r}-{name.replace(' ', '_')}")
                 rows[name].append(ms)
                 if texts is None:
