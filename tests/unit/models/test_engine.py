@@ -32,12 +32,12 @@ def tiny(dtype: torch.dtype, base: TinyBaseConfig | None = None) -> LlamaForCaus
     return build_tiny(base or TinyBaseConfig(), None, 0.0, 0, dtype).eval()
 
 
-def run_rounds(scorer) -> list[torch.Tensor]:
-    """The logits a scorer gives through a prefill and ROUNDS (each verdict committed as a
-    verifier would, the rest rolled back)."""
-    scorer.prefill(PROMPT, room=48)
+def run_rounds(scorer, rounds=ROUNDS, room: int = 48) -> list[torch.Tensor]:
+    """The logits a scorer gives through a prefill of PROMPT (``room`` positions beyond it) and
+    ``rounds`` (each verdict committed as a verifier would, the rest rolled back)."""
+    scorer.prefill(PROMPT, room=room)
     seq, out = list(PROMPT), []
-    for proposal, kept in ROUNDS:
+    for proposal, kept in rounds:
         logits = scorer.logits(seq, proposal)
         out.append(logits)
         seq = seq + proposal[:kept] + [int(logits[kept].argmax())]

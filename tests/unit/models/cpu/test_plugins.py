@@ -25,6 +25,9 @@ from pipespec_mpi.models.scorer import EngineScorer
 from pipespec_mpi.models.tiny import build_tiny
 from pipespec_mpi.stage.batch import score_batch
 
+from ..test_engine import PROMPT
+from ..test_engine import run_rounds as engine_rounds
+
 needs_kernel = pytest.mark.skipif(flat_linear.extension() is None, reason="flat kernel not buildable here")
 needs_rows = pytest.mark.skipif(rows_kernel() is None, reason="row kernel not buildable here")
 
@@ -33,7 +36,6 @@ BASES = {
     "tiny": TinyBaseConfig(),
     "odd": TinyBaseConfig(hidden_size=72, intermediate_size=100, num_heads=6, num_kv_heads=2, num_layers=3),
 }
-PROMPT = [(5 * i + 1) % 250 for i in range(30)]
 # (proposal, how many of it to keep): steps, verifications of every kind (17 and 20 rows: pieces
 # of the flat kernel's 16), rollbacks between
 ROUNDS = [([1, 2, 3], 1), ([], 0), (list(range(40, 56)), 9), ([4, 5, 6, 7, 8], 3), ([9], 0),
@@ -52,16 +54,8 @@ def engine_for(model: torch.nn.Module, exact_rows: bool | None = True, **kw) -> 
 
 
 def run_rounds(scorer, rounds=ROUNDS) -> list[torch.Tensor]:
-    """The logits a scorer gives through a prefill and ``rounds`` (each verdict committed as a
-    verifier would, the rest rolled back)."""
-    scorer.prefill(PROMPT, room=8)  # small room: the cache grows during the run
-    seq, out = list(PROMPT), []
-    for proposal, kept in rounds:
-        logits = scorer.logits(seq, proposal)
-        out.append(logits)
-        seq = seq + proposal[:kept] + [int(logits[kept].argmax())]
-        scorer.truncate(len(seq) - 1)
-    return out
+    """test_engine's rounds over this file's, with a small room: the cache grows during the run."""
+    return engine_rounds(scorer, rounds, room=8)
 
 
 def reference(model: torch.nn.Module) -> list[torch.Tensor]:
