@@ -6,8 +6,9 @@ hung or failed with each rank's last start-up step.
     .venv/bin/python bench/startup_stress.py --transports gloo --app        # the whole tiny job
 
 Each launch runs 3 ranks, 2 on host 0 and 1 on host 1 (``-n``, ``--ppn``), through the start-up
-(``probe``: MPI, the rendezvous, the channels, the epochs window and the doorbell, as
-run/setup.py opens them, without a model; ``--app``: ``python -m pipespec_mpi hierarchy=tiny``,
+(by default tests/multihost/startup_probe.py: MPI, the rendezvous, the channels, the epochs window
+and the doorbell as run/setup.py opens them, without a model; ``--app``: ``python -m pipespec_mpi
+hierarchy=tiny``,
 the multi-host test's job). A launch still running after ``--timeout`` s counts as hung: every
 rank's Python stacks (SIGUSR1, faulthandler) and native stacks (gdb, where installed) are kept in
 its directory before it is killed. Needs root (the bed: network namespaces and a TUN device).
@@ -36,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests" / "multihost"))  # the bed: tests/multihos
 
 import netbed  # noqa: E402
 
+PROBE = ROOT / "tests" / "multihost" / "startup_probe.py"  # one rank of a probe launch
 STEP = re.compile(r"start-up: (.+?) (\(rank \d+, limit|done in)")
 # the multi-host test's job (tests/multihost/test_multihost.py), for --app
 APP = ["hierarchy=tiny", "run.mode=benchmark", "decode.lookahead=2", "decode.max_new_tokens=40",
@@ -53,47 +55,6 @@ class Launch:
     steps: dict[int, str] = field(default_factory=dict)  # rank -> its last start-up step
     message: str = ""  # the job's pipespec_mpi message, where it printed one
     run_dir: str = ""
-
-
-# ---- one rank of a probe launch -----------------------------------------------------------------
-def probe_rank(run_dir: Path, overrides: list[str]) -> None:
-    """The start-up of one rank without a model: MPI, the rendezvous, the channels, the epochs
-    window and the doorbell, under the start-up watchdog, logged to ``run_dir/rank<r>.log``."""
-    import faulthandler
-    import logging
-
-    from pipespec_mpi.comm.bootstrap import shutdown_torch_distributed, world_info
-    from pipespec_mpi.config import compose_config
-    from pipespec_mpi.platforms import current_platform
-    from pipespec_mpi.run import setup
-    from pipespec_mpi.run.startup import StartupWatchdog
-    from pipespec_mpi.stage.wait import sleep_at_barrier
-    from pipespec_mpi.topology import place
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stress loop's stack dump
-    world = world_info()
-    logging.basicConfig(
-        filename=run_dir / f"rank{world.rank}.log", level=logging.INFO,
-        format=f"[%(asctime)s][rank {world.rank}][%(name)s][%(levelname)s] %(message)s",
-    )  # fmt: skip
-    cfg = compose_config(overrides)
-    pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
-    watchdog = StartupWatchdog(cfg.run.startup_timeout_s, world.rank, world.hosts)
-    transport = setup.resolve_transport(cfg.transport.kind, current_platform(), [0] * pl.n_stages, [])
-    p2p = setup.rendezvous(cfg, world, transport, watchdog)
-    loaded = setup.Loaded(
-        transport=transport, p2p=p2p, cpus=None, cuda_devices=[], tokenizer=None, feed=None, n_prompts=0,
-        bad=[], row_error=None, sampled=False, model=None, engines=[], vocab=0, gpu_monitor=None,
-    )  # fmt: skip
-    with watchdog.phase("channels and windows"):
-        links = setup.connect(cfg, world, pl, loaded)
-        setup.open_doorbell(cfg, world, pl, loaded)
-    watchdog.close()
-    sleep_at_barrier(world.comm)
-    links.close(cfg.run.stall_timeout_s)
-    shutdown_torch_distributed()
-    if world.rank == 0:
-        print("probe: start-up done", flush=True)
 
 
 # ---- the loop -----------------------------------------------------------------------------------
@@ -156,7 +117,7 @@ def launch_once(
     if args.app:
         command = [sys.executable, "-m", "pipespec_mpi", *APP, *over, f"hydra.run.dir={run_dir}"]
     else:
-        command = [sys.executable, str(Path(__file__).resolve()), "rank", str(run_dir), *over]
+        command = [sys.executable, str(PROBE), str(run_dir), *over]
     argv = bed.mpirun(args.n, args.ppn, command, hosts=-(-args.n // args.ppn))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
@@ -209,7 +170,8 @@ def stress(args: argparse.Namespace) -> int:
         print(f"no multi-host bed here: {why}", file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="startup-stress-"))
-    bed = netbed.NetBed(netbed.BedConfig(name="psstress", hosts=2, delay_ms=args.delay_ms, net=args.net))
+    bed = netbed.NetBed(netbed.BedConfig(name=args.name, hosts=2, delay_ms=args.delay_ms, net=args.net))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the load and the bed go in ``finally``
     load = start_load(args.load)
     launches: list[Launch] = []
     try:
@@ -232,10 +194,6 @@ def stress(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["rank"]:  # one rank of a probe launch (what the loop runs under mpirun)
-        probe_rank(Path(argv[1]), argv[2:])
-        return 0
     p = argparse.ArgumentParser(prog="bench/startup_stress.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])  # fmt: skip
@@ -248,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=180, help="a launch running longer is hung (s)")
     p.add_argument("--startup-timeout", type=float, default=900, help="run.startup_timeout_s of the ranks")
     p.add_argument("--delay-ms", type=float, default=0.2, help="the wire's one-way delay (ms)")
+    p.add_argument("--name", default="psstress", help="the bed's name (two loops at once: two names)")
     p.add_argument("--net", type=int, default=93, help="the bed's addresses: 10.NET.0.x")
     p.add_argument("--out", help="where the launches' directories go (default: a new temporary one)")
     p.add_argument("overrides", nargs="*", help="more overrides for every rank (key=value)")
-    return stress(p.parse_args(argv))
+    return stress(p.parse_args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -149,13 +149,18 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
 
 def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWatchdog) -> Any:
-    """torch.distributed for a torch transport (gloo, nccl, strict), under ``watchdog``; strict's
-    communicator (comm/strict.py StrictP2P), else None. Collective over the world."""
+    """torch.distributed for a torch transport (gloo, nccl, strict), each step of its rendezvous
+    a phase of ``watchdog``; strict's communicator (comm/strict.py StrictP2P), else None.
+    Collective over the world."""
     if transport not in ("gloo", "nccl", "strict"):
         return None
-    with watchdog.phase(f"rendezvous ({transport})"):
-        backend = "gloo" if transport == "strict" else transport
-        init_torch_distributed(world, backend, cfg.transport.iface, cfg.transport.port)
+    t = cfg.transport
+    backend = "gloo" if transport == "strict" else transport
+
+    def step(name: str, limit_s: float):
+        return watchdog.phase(f"rendezvous ({transport}): {name}", limit_s, "transport.rendezvous_timeout_s")
+
+    init_torch_distributed(world, backend, t.iface, t.port, t.rendezvous_timeout_s, step)
     return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == "strict" else None
 
 
