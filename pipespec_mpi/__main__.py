@@ -77,10 +77,13 @@ def app(cfg: DictConfig) -> None:
         else:
             code = run(typed, run_dir, world, logger)
     except BaseException as exc:  # noqa: BLE001 - one failing rank must take the job down
+        from pipespec_mpi.comm.rendezvous import RendezvousError
         from pipespec_mpi.errors import UserError
 
         if isinstance(exc, UserError):
             user_error(exc, world)
+        if isinstance(exc.__cause__, RendezvousError):  # names the step and who did not answer
+            abort_job(str(exc), code=3)  # as the start-up watchdog does (run/startup.py)
         abort(exc, f"rank {world.rank} of {world.size} ({world.hostname})")
     if code:  # stopped early (run/drain.py): the same code on every rank, all leave together
         shutdown_torch_distributed()

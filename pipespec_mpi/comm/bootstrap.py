@@ -15,6 +15,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,11 @@ def check_singletons(world: World) -> None:
                 f"{var}={expected} but MPI reports a world of 1: the ranks did not form one MPI "
                 "world (with Slurm use `srun --mpi=pmi2`, or mpiexec inside the allocation)"
             )
+
+
+# A rendezvous step that torch does not end by its timeout (the step's deadline) is ended by the
+# start-up watchdog this much later.
+STEP_GRACE_S = 15.0
 
 
 class InterfaceError(UserError, ValueError):
@@ -149,29 +156,47 @@ def rendezvous_interface(world: World, configured: str | None) -> str:
     return picked
 
 
-def init_torch_distributed(world: World, backend: str, iface: str | None, port: int | None = None) -> None:
+Step = Callable[[str, float], AbstractContextManager]  # (step, its limit in s) -> a context around it
+
+
+def init_torch_distributed(
+    world: World, backend: str, iface: str | None, port: int | None = None, timeout_s: float = 60.0,
+    step: Step | None = None,
+) -> None:  # fmt: skip
     """Initialise torch.distributed over the MPI world (rank 0 picks its address, and a free
-    port unless ``port`` is given)."""
+    port unless ``port`` is given), each step ended within ``timeout_s`` of the start, else
+    ``RendezvousError`` naming the ranks that did not answer (comm/rendezvous.py). ``step(name,
+    limit_s)`` wraps each step (the start-up watchdog's phase, a backstop ``STEP_GRACE_S`` later)."""
     import torch.distributed as dist
+
+    from pipespec_mpi.comm import rendezvous as rv
 
     if dist.is_initialized():
         return
+    step = step or (lambda name, limit_s: nullcontext())
     comm = world.comm
-    iface = rendezvous_interface(world, iface)
-    os.environ["GLOO_SOCKET_IFNAME"] = iface
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    addr = None
-    if world.rank == 0:
-        addr = "127.0.0.1" if world.n_nodes == 1 else _iface_address(iface)
-        if port is None:
-            with socket.socket() as s:
-                s.bind((addr, 0))
-                port = s.getsockname()[1]
-    addr, port = comm.bcast((addr, port), root=0)  # rank 0's choice
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{port}", rank=world.rank, world_size=world.size
-    )
+    deadline = rv.Deadline(timeout_s)
+    with step("check-in", deadline.left() + STEP_GRACE_S):
+        rv.check_in(comm, world.hosts, deadline)
+    with step("address", deadline.left() + STEP_GRACE_S):
+        iface = rendezvous_interface(world, iface)
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+        addr = None
+        if world.rank == 0:
+            addr = "127.0.0.1" if world.n_nodes == 1 else _iface_address(iface)
+            if port is None:
+                with socket.socket() as s:
+                    s.bind((addr, 0))
+                    port = s.getsockname()[1]
+        addr, port = comm.bcast((addr, port), root=0)  # rank 0's choice
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    with step("store", deadline.left() + STEP_GRACE_S):
+        store = rv.open_store(world.rank, world.size, addr, port, world.hosts, deadline)
+        rv.mark(store, world.rank)
+        rv.wait_marked(store, world.size, world.hosts, deadline)
+    with step(f"{backend} pairs", deadline.left() + STEP_GRACE_S):
+        rv.connect_pairs(backend, store, world.rank, world.size, world.hosts, deadline)
 
 
 def shutdown_torch_distributed() -> None:

@@ -106,13 +106,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     here = local_stages(world.hosts, world.rank, cfg.hierarchy.n_stages)
     transport = resolve_transport(cfg.transport.kind, platform, stage_gpus, here)
     cuda_devices = platform.gpus(stage_gpus, pl.stage, world.local_rank)
-    p2p = None  # strict: the transport's communicator (comm/strict.py)
-    if transport in ("gloo", "nccl", "strict"):
-        with watchdog.phase(f"rendezvous ({transport})"):
-            backend = "gloo" if transport == "strict" else transport
-            init_torch_distributed(world, backend, cfg.transport.iface, cfg.transport.port)
-        if transport == "strict":
-            p2p = StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s)
+    p2p = rendezvous(cfg, world, transport, watchdog)
 
     with watchdog.phase("tokenizer"):
         tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
@@ -152,6 +146,22 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         )
         loaded.vocab = agree_vocab(cfg, pl, comm, model, tokenizer, loaded.sampled)
     return loaded
+
+
+def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWatchdog) -> Any:
+    """torch.distributed for a torch transport (gloo, nccl, strict), each step of its rendezvous
+    a phase of ``watchdog``; strict's communicator (comm/strict.py StrictP2P), else None.
+    Collective over the world."""
+    if transport not in ("gloo", "nccl", "strict"):
+        return None
+    t = cfg.transport
+    backend = "gloo" if transport == "strict" else transport
+
+    def step(name: str, limit_s: float):
+        return watchdog.phase(f"rendezvous ({transport}): {name}", limit_s, "transport.rendezvous_timeout_s")
+
+    init_torch_distributed(world, backend, t.iface, t.port, t.rendezvous_timeout_s, step)
+    return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == "strict" else None
 
 
 def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:

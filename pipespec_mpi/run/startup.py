@@ -26,7 +26,8 @@ class StartupError(RuntimeError):
     """A start-up phase failed (its cause chained): the phase, the rank, the hosts, a hint."""
 
 
-HINTS = {
+PEER_HINT = "a peer may have died or be stuck in its own start-up; see its rank*.log"
+HINTS = {  # by the phase's first word (a rendezvous' check-in: a peer that did not come)
     "rendezvous": "the ranks could not meet: check transport.iface (GLOO_SOCKET_IFNAME / "
     "NCCL_SOCKET_IFNAME), that every host reaches the first host's address and that no firewall "
     "drops the port",
@@ -51,17 +52,20 @@ class StartupWatchdog:
         self.on_timeout = on_timeout or _abort
         self.clock = clock
         self._cv = threading.Condition()
-        self._current: tuple[str, float] | None = None  # (phase, deadline)
+        self._current: tuple[str, float, float, str | None] | None = None  # (phase, deadline, limit, setting)
         self._closed = False
         self._thread = threading.Thread(target=self._watch, name="pipespec-startup-watchdog", daemon=True)
         self._thread.start()
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, timeout_s: float | None = None, setting: str | None = None) -> Iterator[None]:
+        """Watch the phase ``name`` for ``timeout_s`` (by default the watchdog's), a limit set by
+        ``setting`` (named in the message; by default run.startup_timeout_s)."""
         t0 = self.clock()
-        log.info("start-up: %s (rank %d, limit %.0f s)", name, self.rank, self.timeout_s)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        log.info("start-up: %s (rank %d, limit %.0f s)", name, self.rank, limit)
         with self._cv:
-            self._current = (name, t0 + self.timeout_s)
+            self._current = (name, t0 + limit, limit, setting)
             self._cv.notify()
         try:
             maybe_fail(self.rank, name)  # PIPESPEC_INJECT_FAULT=hang@RANK:PHASE (faults.py)
@@ -84,8 +88,7 @@ class StartupWatchdog:
 
     def message(self, name: str, what: str | None = None) -> str:
         host = self.hosts[self.rank] if self.rank < len(self.hosts) else "?"
-        other = "a peer may have died or be stuck in its own start-up; see its rank*.log"
-        hint = HINTS.get(name.split(" ")[0], other)
+        hint = PEER_HINT if name.endswith("check-in") else HINTS.get(name.split(" ")[0], PEER_HINT)
         what = what or f"did not end within run.startup_timeout_s={self.timeout_s:g} s"
         return (
             f"[pipespec_mpi] start-up phase '{name}' {what} on rank {self.rank} ({host}); the job's "
@@ -98,7 +101,7 @@ class StartupWatchdog:
                 if self._current is None:
                     self._cv.wait()
                     continue
-                name, deadline = self._current
+                name, deadline, limit, setting = self._current
                 left = deadline - self.clock()
                 if left > 0:
                     self._cv.wait(timeout=left)
@@ -106,7 +109,8 @@ class StartupWatchdog:
                 self._current = None
                 self._cv.release()
                 try:
-                    self.on_timeout(self.message(name))
+                    what = f"did not end within {limit:g} s ({setting})" if setting else None
+                    self.on_timeout(self.message(name, what))
                 finally:
                     self._cv.acquire()
 

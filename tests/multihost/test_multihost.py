@@ -159,8 +159,8 @@ def test_replicas_on_different_hosts_share_the_prompts(bed, tmp_path):
 
 def test_a_rendezvous_port_that_nothing_answers_ends_the_job_within_the_limit_naming_the_phase(tmp_path):
     """A firewall between the hosts drops the rendezvous port (the wire drops TCP to it): rank
-    1 cannot reach rank 0's store, and the job ends after run.startup_timeout_s with the phase,
-    the rank and the job's hosts named, instead of hanging (it sat 240 s with empty logs)."""
+    1 cannot reach rank 0's store, and the job ends after transport.rendezvous_timeout_s with the
+    step, the rank and the job's hosts named, instead of hanging (it sat 240 s with empty logs)."""
     why = netbed.problem()
     if why:
         pytest.skip(f"no multi-host bed here: {why}")
@@ -168,14 +168,15 @@ def test_a_rendezvous_port_that_nothing_answers_ends_the_job_within_the_limit_na
     with netbed.NetBed(netbed.BedConfig(name="psfw", hosts=2, net=81, drop_tcp_ports=(port,))) as fw:
         t0 = time.monotonic()
         over = ["hierarchy=tiny2", "dataset=synthetic", "dataset.n_prompts=1", "transport.kind=gloo",
-                f"transport.port={port}", "run.startup_timeout_s=10", "run.progress=false",
+                f"transport.port={port}", "transport.rendezvous_timeout_s=10", "run.progress=false",
                 f"hydra.run.dir={tmp_path}"]  # fmt: skip
         proc = run_on(fw, 2, 1, [PY, "-m", "pipespec_mpi", *over], timeout=120)
         took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, f"exit {proc.returncode}\n{out[-3000:]}"
-    phase = "start-up phase 'rendezvous (gloo)' did not end within run.startup_timeout_s=10 s"
+    phase = "start-up phase 'rendezvous (gloo): store' failed: rank 1 (psfw-h1) could not connect to"
     assert phase in out, out[-3000:]
+    assert "within 10 s (transport.rendezvous_timeout_s)" in out
     assert "psfw-h0" in out and "psfw-h1" in out and took < 90, took
     assert not (tmp_path / "results.jsonl").exists()
 
