@@ -8,9 +8,10 @@ hung or failed with each rank's last start-up step.
 Each launch runs 3 ranks, 2 on host 0 and 1 on host 1 (``-n``, ``--ppn``), through the start-up
 (by default tests/multihost/startup_probe.py: MPI, the rendezvous, the channels, the epochs window
 and the doorbell as run/setup.py opens them, without a model; ``--app``: ``python -m pipespec_mpi
-hierarchy=tiny``, the multi-host test's job). A launch still running after ``--timeout`` s counts as hung: every
-rank's Python stacks (SIGUSR1, faulthandler) and native stacks (gdb, where installed) are kept in
-its directory before it is killed. Needs root (the bed: network namespaces and a TUN device).
+hierarchy=tiny``, the multi-host test's job). A launch still running after ``--timeout`` s counts
+as hung: every rank's Python stacks (SIGUSR1, faulthandler) and native stacks (gdb, where
+installed) are kept in its directory before it is killed. Needs root (the bed: network namespaces
+and a TUN device).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class Weights:
         if self.attention.layout != "grid":
             return f"attention {self.attention!r} is not torch's"
         parts = [p for m in self.linears() for p in (m.parts if isinstance(m, Concat) else [m])]
-        odd = sorted({type(p).__name__ for p in parts if type(p) is not torch.nn.Linear})
+        odd = sorted({type(p).__name__ for p in parts if type(p) not in (torch.nn.Linear, Float32Head)})
         if odd:
             return f"linears {', '.join(odd)} are not torch's"
         if self.act is not silu:
@@ -177,12 +177,38 @@ class Weights:
             static(inner.embed_tokens.weight.detach()),
             layers,
             static(inner.norm.weight.detach()),
-            direct(model.lm_head),
+            float32_head(model.lm_head),
             rotary.inv_freq.detach().float(),
             float(rotary.attention_scaling),
             attention if attention is not None else GridAttention(),
             act if act is not None else silu,
         )
+
+
+class Float32Head(torch.nn.Module):
+    """A half-precision dense LM head whose logits leave it in float32, not rounded to half first
+    (in bf16 about one position in 30 of code is an exact top-2 tie: docs/gpu.md, "Numerics").
+    CUDA: the matmul's own float32 output (``mm`` with ``out_dtype``); elsewhere the weight is
+    kept once in float32."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.on_device = weight.device.type in ("cuda", "meta")
+        self.weight = static(weight.detach() if self.on_device else weight.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_device:
+            return torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+        return torch.nn.functional.linear(x.float(), self.weight)
+
+
+def float32_head(m: Linear) -> Linear:
+    """The LM head as the engine calls it: a half-precision ``nn.Linear`` through ``Float32Head``,
+    any other as it is (its output made float32 by the forward)."""
+    w = getattr(m, "weight", None)
+    if type(m) is torch.nn.Linear and w is not None and w.dtype in (torch.float16, torch.bfloat16):
+        return direct(Float32Head(w))
+    return direct(m)
 
 
 def direct(m: Linear) -> Linear:

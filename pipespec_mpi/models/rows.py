@@ -9,6 +9,8 @@ from typing import Protocol
 
 import torch
 
+from pipespec_mpi.tensors import upload
+
 
 @dataclass
 class Batch:
@@ -43,9 +45,7 @@ class Batch:
         """The rows from the host's lists in one copy (pinned and asynchronous to a GPU)."""
         r = len(tokens)
         host = torch.tensor([*tokens, *pos, *slot, *write, *keep, *[0] * (r - len(keep))], dtype=torch.long)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        rows = host.view(5, r).to(device, non_blocking=True)
+        rows = upload(host.view(5, r), device)
         return cls(rows, len(keep), **layout)  # type: ignore[arg-type]
 
     @property

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pipespec_mpi.simulate.inputs import Acceptance, LatencyProfile, SimConfig
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle, _Compute
 from pipespec_mpi.simulate.ports import SimClock, TimedReceiver, TimedSender, TimedWindow, Version
-from pipespec_mpi.speculative.verifiers import Greedy
+from pipespec_mpi.speculative.verifiers import Checked, Greedy
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.ports import Proposal, StagePorts, StageRole
@@ -101,8 +101,8 @@ class _Node:
             self.outcome = self.loop.finish()
         return s
 
-    def complete(self, fwd: Forward, logits, t0: float) -> Step:
-        return self.loop.complete(fwd, logits, t0)
+    def complete(self, fwd: Forward, checked: Checked, t0: float) -> Step:
+        return self.loop.complete(fwd, checked, t0)
 
     @property
     def waits_for_upstream(self) -> bool:

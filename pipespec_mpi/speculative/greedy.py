@@ -11,9 +11,13 @@ between 1 and n+1 tokens, and the committed tokens are exactly the verifier's ow
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from pipespec_mpi.tensors import read, upload
 
 
 @dataclass(frozen=True)
@@ -45,19 +49,31 @@ def accept(proposal: torch.Tensor, count: torch.Tensor, target: torch.Tensor) ->
     return torch.stack((accepted, target.gather(1, accepted[:, None])[:, 0]), dim=1)
 
 
-def verify_against(proposal: list[int], target: torch.Tensor) -> Verdict:
-    """Verify ``proposal`` (n ids) against the verifier's own choices target [n+1].
+def verdicts(proposals: Sequence[list[int]], targets: Sequence[torch.Tensor]) -> list[Verdict]:
+    """The verdicts of B verifications, ``proposals[b]`` (n_b ids) against ``targets[b]``
+    ([n_b+1] on one device: the verifier's own token at each row), in one batched ``accept``: one
+    upload of the proposals and one host read for all (n_b = 0: the verifier's own next token).
 
-    target[j] is the verifier's token for position L+j given the committed prefix and
+    targets[b][j] is the verifier's token for position L+j given the committed prefix and
     proposal[:j] (its argmax, or its Gumbel-perturbed argmax when sampling); proposal[j] is
-    accepted iff it equals target[j] and all before it were accepted.
+    accepted iff it equals targets[b][j] and all before it were accepted.
     """
-    n = len(proposal)
-    if target.shape[0] != n + 1:
-        raise ValueError(f"need n+1={n + 1} target tokens for {n} proposed, got {target.shape[0]}")
-    prop = torch.as_tensor(proposal, dtype=target.dtype).to(target.device)[None, :]
-    m, nxt = accept(prop, torch.full((1,), n, device=target.device), target[None, :])[0].tolist()
-    return Verdict(n_proposed=n, n_accepted=m, next_token=nxt)  # the one host transfer
+    for prop, target in zip(proposals, targets, strict=True):
+        if target.shape != (len(prop) + 1,):
+            raise ValueError(
+                f"need n+1={len(prop) + 1} target tokens for {len(prop)} proposed, got {target.shape[0]}"
+            )
+    k = max(map(len, proposals))
+    host = torch.tensor([[len(p), *p, *[0] * (k - len(p))] for p in proposals], dtype=torch.long)
+    table = upload(host, targets[0].device)  # [B, 1 + K]: each count, then its proposal (padded)
+    target = torch.stack([F.pad(t.long(), (0, k + 1 - t.shape[0])) for t in targets])
+    rows = read(accept(table[:, 1:], table[:, 0], target))  # the one host read
+    return [Verdict(len(p), m, nxt) for p, (m, nxt) in zip(proposals, rows, strict=True)]
+
+
+def verify_against(proposal: list[int], target: torch.Tensor) -> Verdict:
+    """Verify ``proposal`` (n ids) against the verifier's own choices target [n+1] (``verdicts``)."""
+    return verdicts([proposal], [target])[0]
 
 
 def greedy_verify(proposal: list[int], logits: torch.Tensor) -> Verdict:

@@ -71,15 +71,13 @@ class Sampler:
         return processed_logprobs(logits, r.temperature, r.top_k, r.top_p).exp()
 
     def tokens(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
-        """The stage's choice at positions first_position.. for logits [n, V] -> ids [n]."""
+        """The stage's choice at positions first_position.. for logits [n, V] -> ids [n], on the
+        logits' device (the noise is made there: ``gumbel``)."""
         if self.greedy:
             return torch.argmax(logits, dim=-1)
         r = self.rule
         logp = processed_logprobs(logits, r.temperature, r.top_k, r.top_p)
-        noise = torch.stack(
-            [gumbel(self.key, first_position + i, logits.shape[-1]) for i in range(logits.shape[0])]
-        )  # made on the host: every stage draws the same noise, whatever its device
-        return torch.argmax(logp + noise.to(logp.device), dim=-1)
+        return torch.argmax(logp + gumbel(self.key, first_position, logp.shape, logp.device), dim=-1)
 
 
 def mix(*values: int) -> int:
@@ -91,10 +89,33 @@ def mix(*values: int) -> int:
     return h & _MASK
 
 
-def gumbel(key: int, position: int, vocab: int) -> torch.Tensor:
-    """G_t [V]: i.i.d. standard Gumbel noise, a pure function of (key, position)."""
-    gen = torch.Generator().manual_seed(mix(key, position))
-    u = torch.rand(vocab, generator=gen, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+def _signed(v: int) -> int:
+    """A 64-bit pattern as torch's int64 holds it."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_GOLDEN, _M1, _M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _finish(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function on int64 tensors (products wrap; shifts made logical)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _M1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _M2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def gumbel(
+    key: int, first_position: int, shape: torch.Size, device: torch.device | None = None
+) -> torch.Tensor:
+    """G [n, V] float64 for positions first_position.. (rows) and token ids (columns): i.i.d.
+    standard Gumbel noise, each value a pure function of (key, position, token), computed on
+    ``device`` by integer hashing, so every device and every stage draws the same noise."""
+    n, vocab = shape
+    dev = device if device is not None else torch.device("cpu")
+    pos = torch.arange(first_position, first_position + n, device=dev, dtype=torch.int64)
+    row = _finish(pos[:, None] * _GOLDEN + _signed(mix(key)))  # [n, 1]: a SplitMix64 seed per position
+    h = _finish(row + torch.arange(1, vocab + 1, device=dev, dtype=torch.int64)[None, :] * _GOLDEN)
+    u = (((h >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0**-53  # in (0, 1): 53 bits of h
     return -torch.log(-torch.log(u))
 
 
@@ -118,24 +139,26 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top
     return torch.log_softmax(x, dim=-1)
 
 
-def draw(p: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from the distribution p [V]."""
-    return int(torch.multinomial(p, 1, generator=gen))
-
-
 def speculative_verify(
-    proposal: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator
-) -> tuple[int, int]:
-    """Leviathan/Chen verification of ``proposal`` (n ids) drawn from q [n, V], against the
-    verifier's p [n+1, V]. Returns (n_accepted, next token): the token drawn from the residual
-    max(0, p - q) at the first rejection, or the bonus token drawn from p[n]."""
-    for j, x in enumerate(proposal):
-        px, qx = float(p[j, x]), float(q[j, x])
-        u = float(torch.rand((), generator=gen, dtype=torch.float64))
-        if qx > 0 and u < min(1.0, px / qx):
-            continue
-        residual = (p[j] - q[j]).clamp_(min=0)
-        total = float(residual.sum())
-        # total == 0 only if p == q, where a rejection cannot happen; guard against rounding
-        return j, draw(residual / total if total > 0 else p[j], gen)
-    return len(proposal), draw(p[len(proposal)], gen)
+    proposal: torch.Tensor, q: torch.Tensor, p: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
+    """Leviathan/Chen verification of ``proposal`` (ids [n]) drawn from q [n, V], against the
+    verifier's p [n+1, V], on their device with no host read: [2] = (n_accepted, next token),
+    the token drawn from the residual max(0, p - q) at the first rejection, or the bonus token
+    drawn from p[n] (n = 0: a draw from p[0])."""
+    n = proposal.shape[0]
+    u = torch.rand(n, generator=gen, device=p.device, dtype=p.dtype)
+    px = p[:n].gather(1, proposal[:, None])[:, 0]
+    qx = q.gather(1, proposal[:, None])[:, 0].to(p.dtype)
+    ok = (qx > 0) & (u * qx < px)  # u < min(1, p(x)/q(x))
+    m = ok.long().cumprod(0).sum()
+    # the row at the first rejection, or the bonus row (q of zeros: its residual is p[n]);
+    # index_select, not p[m]: indexing by a tensor scalar reads it on the host
+    at = m.view(1)
+    p_m = p.index_select(0, at)[0]
+    q_m = torch.cat((q.to(p.dtype), q.new_zeros(1, q.shape[1], dtype=p.dtype))).index_select(0, at)[0]
+    residual = (p_m - q_m).clamp_(min=0)
+    total = residual.sum()
+    # total == 0 only if p == q, where a rejection cannot happen; guard against rounding
+    row = torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p_m)
+    return torch.stack((m, torch.multinomial(row, 1, generator=gen)[0]))

@@ -6,8 +6,9 @@ tagged channels and communicators): per sequence, the protocol is exactly the on
 protocol the schedule explorer checks. What the slots share is the model:
 ``BatchedStage.step`` advances every live slot to its forward (``StageProcess.advance``), runs
 the forwards it collected as one batched call (``score``: ``score_batch``, each backend's
-requests through its ``score_many``: the weights read once for all rows) and hands each slot
-its logits (``complete``). A slot that waits (for its upstream, a gate, a handoff) costs the
+requests through its ``score_many``: the weights read once for all rows), checks every slot's
+logits under its rule at once (``check_all``: one batched accept, one host read) and hands each
+slot its verdict (``complete``). A slot that waits (for its upstream, a gate, a handoff) costs the
 others nothing: it is simply not in the batch.
 
 Whatever the timing, a slot's iteration is the iteration ``StageLoop.step`` would make; only
@@ -41,6 +42,7 @@ import torch
 
 from pipespec_mpi.speculative.goodput import RowCost, allot_rows
 from pipespec_mpi.speculative.policy import Act
+from pipespec_mpi.speculative.verifiers import check_all
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock, Scorer
 from pipespec_mpi.stage.process import StageProcess, jobs_left
@@ -121,9 +123,13 @@ class BatchedStage:
             logits = self.score([(slot.loop.model, f.seq, f.proposal) for slot, f in forwards])
             rows = sum(len(f.proposal) + 1 for _, f in forwards)
             self.row_cost.observe(len(forwards), rows, self.clock.now() - t0)
+            # every slot's verdict in one batched accept and one host read
+            checked = check_all(
+                [slot.loop.question(f, out) for (slot, f), out in zip(forwards, logits, strict=True)]
+            )
             with self.held():
-                for (slot, f), rows in zip(forwards, logits, strict=True):
-                    slot.complete(f, rows, t0)
+                for (slot, f), answer in zip(forwards, checked, strict=True):
+                    slot.complete(f, answer, t0)
             self.batches += 1
             self.rows += len(forwards)
             return Step.ACTED

@@ -27,7 +27,7 @@ import torch
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.speculative.policy import Act, Decision, Policy, View, make_policy
 from pipespec_mpi.speculative.sequence import Inbox, adopt
-from pipespec_mpi.speculative.verifiers import Verifier
+from pipespec_mpi.speculative.verifiers import Checked, Question, Verifier, check_all
 from pipespec_mpi.stage.ledger import Ledger
 from pipespec_mpi.stage.mailbox import Mailbox
 from pipespec_mpi.stage.outbox import Outbox
@@ -159,7 +159,17 @@ class StageLoop:
     def run_forward(self, fwd: Forward) -> Step:
         """Run the forward ``advance`` asked for on this stage's model alone, then complete it."""
         t0 = self.clock.now()
-        return self.complete(fwd, self.model.logits(fwd.seq, fwd.proposal), t0)
+        return self.answer(fwd, self.model.logits(fwd.seq, fwd.proposal), t0)
+
+    def answer(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
+        """``complete`` with the forward's logits ([len(fwd.proposal)+1, V]) checked alone."""
+        return self.complete(fwd, check_all([self.question(fwd, logits)])[0], t0)
+
+    def question(self, fwd: Forward, logits: torch.Tensor) -> Question:
+        """What the forward's logits must answer under this stage's rule (``check_all``)."""
+        n = len(fwd.proposal)
+        dists = self.inbox.rows[:n] if n and self.verifier.carries_dists else None
+        return Question(self.verifier, fwd.proposal, logits, len(self.out), dists)
 
     def advance(self, joining: bool = False) -> Step | Forward:
         """One iteration up to its forward: a ``Step``, or the ``Forward`` decided on, which the
@@ -208,13 +218,13 @@ class StageLoop:
         can move this stage, not a send buffer coming free for tokens still owed."""
         return not self.outbox.owes(len(self.out))
 
-    def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
-        """Finish the iteration ``advance`` stopped at, with the forward's ``logits``
-        ([len(fwd.proposal)+1, V]) and the time it started."""
+    def complete(self, fwd: Forward, checked: Checked, t0: float) -> Step:
+        """Finish the iteration ``advance`` stopped at, with the answer to its ``question`` and
+        the time its forward started."""
         if fwd.act is Act.VERIFY:
-            self._verify(fwd.proposal, logits, t0)
+            self._verify(fwd.proposal, checked, t0)
         else:
-            self._step("draft" if fwd.act is Act.DRAFT else "own", logits, t0)
+            self._step("draft" if fwd.act is Act.DRAFT else "own", checked, t0)
         return self._acted()
 
     def _acted(self) -> Step:
@@ -237,15 +247,14 @@ class StageLoop:
         return d
 
     # ------------------------------------------------------------------ actions
-    def _step(self, kind: str, logits: torch.Tensor, t0: float) -> None:
+    def _step(self, kind: str, checked: Checked, t0: float) -> None:
         """One token of our own (draft step of the first stage, or a verifier's own step)."""
         n0 = len(self.out)
-        drawn = self.verifier.draw(logits, n0)
         t1 = self.clock.now()
         self.stats.stepped(kind)
         if self.method != "ar":  # AR's forwards run on other threads (host/placement.py
             self.policy.forward(0, t1 - t0, t1)  # CpuShare.solo): not the policy's costs
-        self._commit([drawn.token], t1 - t0, [drawn.dist])
+        self._commit([checked.verdict.next_token], t1 - t0, checked.dists or [None])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "own" and not self.inbox.advance(self.out, n0):
             self._bump_epoch()
@@ -263,11 +272,9 @@ class StageLoop:
         self.trace.event(t0, t1, "draft", len(toks), len(self.prompt) + len(self.out))
         return True
 
-    def _verify(self, proposal: list[int], logits: torch.Tensor, t0: float) -> None:
+    def _verify(self, proposal: list[int], checked: Checked, t0: float) -> None:
         n = len(proposal)
-        dists = self.inbox.rows[:n] if self.verifier.carries_dists else None
         n0 = len(self.out)
-        checked = self.verifier.verify(proposal, dists, logits, n0)  # logits [n+1, V]
         t1 = self.clock.now()
         verdict = checked.verdict
         self.stats.verified(n, verdict.n_accepted)

@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import torch
-
-from pipespec_mpi.speculative.verifiers import Verifier
+from pipespec_mpi.speculative.verifiers import Checked, Verifier
 from pipespec_mpi.stage.deal import END, Deal, InTurn
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.stats import StageOutcome
@@ -169,8 +167,8 @@ class StageProcess:
             return Step.PROGRESS
         return Step.DONE
 
-    def complete(self, fwd: Forward, logits: torch.Tensor, t0: float) -> Step:
-        return self.loop.complete(fwd, logits, t0)
+    def complete(self, fwd: Forward, checked: Checked, t0: float) -> Step:
+        return self.loop.complete(fwd, checked, t0)
 
     def rung(self) -> bool:
         """Decoding, nothing left unsent: only a neighbour or its policy's recheck moves it (the

@@ -32,7 +32,7 @@ from pipespec_mpi.simulate.explore.scenarios import (
 from pipespec_mpi.simulate.inputs import LatencyProfile
 from pipespec_mpi.simulate.oracle import OracleLookup, OracleScorer, TokenOracle
 from pipespec_mpi.speculative.policy import make_policy
-from pipespec_mpi.speculative.verifiers import Verifier, make_verifier
+from pipespec_mpi.speculative.verifiers import Verifier, make_verifier, own_token
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop, Step
@@ -48,7 +48,7 @@ def autoregressive(
     model.prefill(prompt, room=max_new + 1)
     out: list[int] = []
     while len(out) < max_new and not (out and out[-1] == eos):
-        out.append(verifier.draw(model.logits(prompt + out, []), len(out)).token)
+        out.append(own_token(verifier, model.logits(prompt + out, []), len(out)).token)
         model.truncate(len(prompt) + len(out) - 1)
     return out
 

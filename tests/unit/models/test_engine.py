@@ -65,6 +65,18 @@ def test_engine_close_to_transformers_in_lower_precision(dtype):
         assert torch.allclose(a.float(), b, atol=tol, rtol=tol)
 
 
+def test_a_half_precision_head_gives_float32_logits_not_rounded_to_half():
+    """The LM head of a bf16 model computes in float32 (``Float32Head``): its logits carry more
+    than bf16's bits, so near-ties are not made exact ties by rounding."""
+    model = tiny(torch.bfloat16)
+    head = Weights.of(model).head
+    x = torch.randn(5, model.config.hidden_size).bfloat16()
+    got = head(x)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, x.float() @ model.lm_head.weight.float().t(), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, got.bfloat16().float())
+
+
 def test_slots_in_one_forward_equal_each_alone():
     """Slots of different lengths, verifying different counts in one padded forward, give each
     slot's rows as its own forward does (float64: bitwise); a slot not asked for is untouched."""
@@ -122,6 +134,7 @@ def test_every_step_runs_on_meta():
         eng.begin(s, 64)
         (logits,) = eng.run([Request(s, list(range(20 + s)), 1)])  # prefill
         assert logits.shape == (1, 512) and logits.device.type == "meta"
+        assert logits.dtype == torch.float32  # a bf16 model's head: float32 out of the matmul
     steps = eng.run([Request(s, [7], 1) for s in range(3)])  # decode: every slot, one row
     verify = eng.run(
         [Request(0, [1, 2, 3], 3), Request(2, [4, 5, 6, 7, 8], 5)]

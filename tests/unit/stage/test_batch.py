@@ -227,6 +227,7 @@ def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never
     from types import SimpleNamespace
 
     from pipespec_mpi.speculative.policy import Act
+    from pipespec_mpi.speculative.verifiers import Greedy, Question
     from pipespec_mpi.stage.loop import Forward
 
     depth, log = [0], []
@@ -249,7 +250,11 @@ def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never
         def complete(f, rows, t0) -> None:
             log.append(f"complete {i} held={depth[0]}")
 
-        loop = SimpleNamespace(policy=StaticPolicy(DecodeConfig()), model=None)
+        def question(f, rows) -> Question:
+            log.append(f"question {i} held={depth[0]}")
+            return Question(Greedy(), f.proposal, rows, 0)
+
+        loop = SimpleNamespace(policy=StaticPolicy(DecodeConfig()), model=None, question=question)
         return SimpleNamespace(advance=advance, complete=complete, waits_for_upstream=False, loop=loop)
 
     def score(requests):
@@ -260,6 +265,49 @@ def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never
     stage.step()
     assert log == [
         "open", "advance 0 held=1", "advance 1 held=1", "close",
-        "forward held=0",
+        "forward held=0", "question 0 held=0", "question 1 held=0",
         "open", "complete 0 held=1", "complete 1 held=1", "close",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["pipespec-greedy-batch", "pipespec-gumbel-batch"])
+def test_a_batched_step_reads_the_host_once(family, monkeypatch):
+    """The tiny models' slots batched under the explorer's schedules: a step that ran a batched
+    forward read its device's values once (every slot's verdict together), and a step without
+    one never; the forward's own reads (the model's) are not counted. Outputs stay lossless."""
+    from host_reads import HostReads
+
+    base = tiny_parts()
+    shared: dict[int, EngineScorer] = {}
+    reads = HostReads()
+    per_step: list[tuple[int, int]] = []  # (forwards run, host reads) of each step
+
+    def model(i: int) -> EngineScorer:
+        if i not in shared:
+            shared[i] = base.model(i)
+            return shared[i]
+        return shared[i].for_slot()
+
+    def score(requests):
+        reads.paused = True
+        try:
+            return score_batch(requests)
+        finally:
+            reads.paused = False
+
+    step = BatchedStage.step
+
+    def counted(self):
+        before, reads.count = self.batches, 0
+        with reads:
+            s = step(self)
+        per_step.append((self.batches - before, reads.count))
+        return s
+
+    monkeypatch.setattr(BatchedStage, "step", counted)
+    sc = Scenario.draw(family, 1, k=3, lookup=False, n_prompts=3, slots=3, stop_before=None,
+                       decode=DecodeConfig(lookahead=1, max_new_tokens=8))  # fmt: skip
+    found = World(sc, Parts(model, [base.prompts[0][: 3 + j] for j in range(3)], base.eos, score=score)).run()
+    assert found.ok, found
+    assert sum(f for f, _ in per_step) > 0
+    assert all(r == f for f, r in per_step), [x for x in per_step if x[0] != x[1]][:5]

@@ -112,7 +112,7 @@ def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     board.headers[0] = Header(1, 0, 0, False, 0, True)  # the drafter: nothing for the prompt
     fwd = loop.advance()
     assert isinstance(fwd, Forward) and fwd.act is Act.OWN
-    loop.complete(fwd, loop.model.logits(fwd.seq, fwd.proposal), 0.0)
+    loop.answer(fwd, loop.model.logits(fwd.seq, fwd.proposal), 0.0)
     assert loop.out == [7]
     assert loop.advance() is Step.WAITING  # the drafter's idle flag predates token 7
     # two drafted tokens of its own, then idle, still on the empty text it had read
