@@ -70,7 +70,8 @@ chmod +x "$DIR"/mpich/bin/*
 # not loaded by mpi4py or mpirun: the standard-ABI library (13 MiB), archives, compiler wrappers' data
 rm -rf "$DIR/mpich/lib/pkgconfig" "$DIR"/mpich/lib/*.a "$DIR"/mpich/lib/libmpi_abi.so* "$DIR"/mpich/bin/*_abi
 find "$DIR" -name "__pycache__" -prune -exec rm -rf {} +
-printf '%s\n' "hydra-core==$HYDRA" "omegaconf==$OMEGACONF" "antlr4-python3-runtime$ANTLR" \
+ANTLR_VERSION=$(basename "$WORK"/wheels/antlr4_python3_runtime-*.whl | cut -d- -f2)
+printf '%s\n' "hydra-core==$HYDRA" "omegaconf==$OMEGACONF" "antlr4-python3-runtime==$ANTLR_VERSION" \
   "mpi4py==$MPI4PY" "mpich==$MPICH" "python=$PY_VERSION" > "$DIR/BUNDLE.txt"
 
 BUNDLE=$(du -sb "$DIR" | cut -f1)
@@ -83,4 +84,8 @@ if [ "$TOTAL" -gt "$LIMIT" ]; then
   echo "gpu_bundle.sh: $(mib "$TOTAL") is over the 64 MiB a GPU machine takes beside the source" >&2
   exit 1
 fi
-echo "[bundle] on the GPU machine: bash bench/gpu_check.sh OUT_DIR (it finds $DIR itself)"
+if [ "$DIR" = gpu_bundle ]; then
+  echo "[bundle] on the GPU machine: bash bench/gpu_check.sh OUT_DIR (it finds gpu_bundle/ itself)"
+else
+  echo "[bundle] on the GPU machine: GPU_BUNDLE=$DIR bash bench/gpu_check.sh OUT_DIR"
+fi
