@@ -92,7 +92,7 @@ step "2. the engine's forward costs: $OUT/profile.json"
 t0=$(date +%s)
 if timeout "$PROFILE_TIMEOUT" "$PY" -m pipespec_mpi.simulate.profile --out "$OUT/profile.json" "${PROFILE[@]}" \
   > "$OUT/profile.log" 2>&1; then
-  grep -E "^[^ ]|compiled:" "$OUT/profile.log" | sed 's/^/  /'
+  grep -E "^[^ ]|compiled:" "$OUT/profile.log" | sed 's/^/  /' || true
   if [ "$MODE" = gpu ]; then "$PY" bench/gpu_check.py compiled "$OUT/profile.json" || FAIL=1; fi
 else
   echo "  failed (rc $?): see $OUT/profile.log"; tail -20 "$OUT/profile.log"; FAIL=1
@@ -114,7 +114,7 @@ for spec in "${JOBS[@]}"; do
   if timeout "$JOB_TIMEOUT" "$MPIRUN" -n "$ranks" "$PY" -m pipespec_mpi hierarchy="$hier" run.mode=benchmark \
     "run.methods=[ar,sd,pipespec]" dataset=synthetic "${JOB_ARGS[@]}" "${transport[@]}" run.progress=false \
     hydra.run.dir="$OUT/$hier" < /dev/null > "$OUT/$hier.log" 2>&1; then
-    grep -A8 "^method" "$OUT/$hier.log" | sed 's/^/  /'
+    grep -A8 "^method" "$OUT/$hier.log" | sed 's/^/  /' || true
     "$PY" bench/gpu_check.py job "$OUT/$hier" "${CHECK[@]}" || FAIL=1
   else
     echo "  failed (rc $?): see $OUT/$hier.log"; tail -20 "$OUT/$hier.log"; FAIL=1
