@@ -17,8 +17,8 @@ from pipespec_mpi.config.schema import (
     ConfigError,
     DecodeConfig,
 )
+from pipespec_mpi.config.shapes import SHAPES
 from pipespec_mpi.data.config import problems as dataset_problems
-from pipespec_mpi.models.shapes import SHAPES
 
 
 def register() -> None:

@@ -1,39 +1,21 @@
-"""Llama shapes of the paper's models (and SmolLM2-135M's), as random-weight models.
+"""Random-weight models of the Llama shapes of the paper's models (and SmolLM2-135M's).
 
 A forward's cost does not depend on the weights' values, so a model of a real model's shape with
 seeded random weights measures its costs with no weight files and no network: the simulator's
 profile (simulate/profile.py) and the ``random`` stage kind (conf/hierarchy/random_*.yaml, what
-bench/gpu_check.sh runs on a bare GPU machine). ``toy`` is a shape small enough for CI.
+bench/gpu_check.sh runs on a bare GPU machine). The shapes themselves: config/shapes.py.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipespec_mpi.config.shapes import SHAPES, params
+
 if TYPE_CHECKING:
     import torch
 
-SHAPES: dict[str, dict] = {
-    "toy": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
-    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=128256),
-}  # fmt: skip
-
-
-def params(shape: str) -> int:
-    """Weights of a shape (what a memory-bound step reads)."""
-    s = SHAPES[shape]
-    h, i, n, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    d = h // s["num_attention_heads"]
-    attn = h * d * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
-    return n * (attn + 3 * h * i) + v * h * (1 if s.get("tie_word_embeddings") else 2)
+__all__ = ["SHAPES", "params", "random_llama"]
 
 
 def random_llama(shape: str, device: str | torch.device, dtype: torch.dtype, seed: int = 0):
