@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The GPU acceptance run, on a bare, offline GPU machine in about 10 minutes, compile included:
 #   bash bench/gpu_check.sh OUT_DIR           (one or more CUDA GPUs)
-#   bash bench/gpu_check.sh --cpu OUT_DIR     the same steps at CI's scale on a CPU (CI runs it:
-#                                             tests/mpi/test_gpu_check.py), so that the script cannot rot
+#   bash bench/gpu_check.sh --cpu OUT_DIR     the same steps at CI's scale on a CPU (CI runs it,
+#                                             tests/mpi/test_gpu_check.py, so that it cannot rot)
 # Why this shape: such a machine brings a python with CUDA torch, transformers and mpi4py, but no
 # hydra-core, omegaconf or MPI runtime, reaches no network and takes 64 MiB beside the source.
 # So nothing is installed: the python used is $PYTHON, else python3, else .venv/bin/python (the
 # first that imports torch); bench/gpu_bundle.sh's folder ($GPU_BUNDLE, default gpu_bundle/) goes
 # first on PYTHONPATH (hydra, omegaconf, mpi4py) and its MPICH on PATH; every model is a
-# random-weight model of a real model's shape (models/shapes.py: no weight files).
+# random-weight model of a real model's shape (config/shapes.py: no weight files).
 # Steps (OUT_DIR gets each one's log and files):
 # 1. env: what the python brings;
 # 2. the engine's forward costs (python -m pipespec_mpi.simulate.profile): GPU: SmolLM2-135M's,
@@ -19,9 +19,9 @@
 #    (2 ranks) and random_llama3 (3 ranks) compiled, their transport NCCL where the job's ranks
 #    have a GPU each (an NCCL link from 2 GPUs on), else MPI; CPU: random_toy (float64) on the
 #    GPU's plug-ins (device.kernels=portable) over transport.kind=strict (gloo under NCCL's rules).
-#    Outputs against AR's at batch 1: on a GPU by
-#    the near-tie rule (analysis/ties.py, epsilon $TIE_EPSILON, default 0.0625: a divergence only
-#    where the target's top-2 gap is within it, each reported), on a CPU exactly;
+#    Outputs against AR's at batch 1 (bench/gpu_check.py job): on a GPU by the near-tie rule
+#    (analysis/ties.py, epsilon $TIE_EPSILON, default 0.0625: a divergence only where the target's
+#    top-2 gap is within it, each reported), on a CPU exactly;
 # 4. pipespec-simulate --profile: the paper's hierarchy (1B -> 8B -> 70B, the 70B scaled from the
 #    8B by weight bytes) predicted from profile.json at batch 1 and 8;
 # then OUT_DIR/results.md, the table of it all. Exit 1 when any check failed, 2 when unusable.
