@@ -29,7 +29,7 @@ def test_a_shape_is_its_model_and_a_seed_its_weights():
 def test_a_random_stage_is_an_engine_with_the_byte_tokenizer():
     hier = compose_config(["hierarchy=random_toy"]).hierarchy
     scorer = load_stage(hier, 2, cuda_devices=[])
-    assert "engine on cpu, float32" in scorer.describe() and scorer.vocab_size == SHAPES["toy"]["vocab_size"]
+    assert "engine on cpu, float64" in scorer.describe() and scorer.vocab_size == SHAPES["toy"]["vocab_size"]
     assert stage_tokenizer(hier, 2).fingerprint().startswith("bytes-")
     other = load_stage(hier, 1, cuda_devices=[])  # another index: other weights
     scorer.prefill([256, 1, 2], room=4)
