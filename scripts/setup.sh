@@ -45,15 +45,17 @@ run() {  # a command, or only its line with --dry-run
   echo "+ $*"
   [ "$DRY" = 1 ] || "$@"
 }
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# the exact versions CI runs (pyproject.toml accepts a range where sites bring their own)
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/pins.txt)
+TORCH=$(grep -x 'torch==.*' scripts/pins.txt)
 [ "$DRY" = 1 ] || [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: an unpinned torch pulls whatever build the index holds.
 if [ "$DEVICE" = cuda ]; then
-  run "${PIP[@]}" --index-url "${TORCH_INDEX_URL:-https://pypi.org/simple}" "torch==2.13.0"
+  run "${PIP[@]}" --index-url "${TORCH_INDEX_URL:-https://pypi.org/simple}" "$TORCH"
 elif [ -n "${TORCH_INDEX_URL:-}" ]; then
-  run "${PIP[@]}" --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
+  run "${PIP[@]}" --index-url "$TORCH_INDEX_URL" "$TORCH"
 else
-  run "${PIP[@]}" "torch==2.13.0"
+  run "${PIP[@]}" "$TORCH"
 fi
 if [ "$MPI" = site ]; then
   # built from source against the site's MPI (its mpicc), before the package's pins see a wheel

@@ -17,6 +17,7 @@ from pipespec_mpi.config.schema import (
     ConfigError,
     DecodeConfig,
 )
+from pipespec_mpi.config.shapes import SHAPES
 from pipespec_mpi.data.config import problems as dataset_problems
 
 
@@ -161,6 +162,8 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}.copy_of={s.copy_of}: must name another stage's index")
         if s.kind == "tiny" and s.layers is not None and not 1 <= s.layers <= h.tiny.num_layers:
             p.append(f"{where}.layers={s.layers}: must be in 1..{h.tiny.num_layers}")
+        if s.kind == "random" and s.shape not in SHAPES:
+            p.append(f"{where}.shape={s.shape!r}: required for kind=random, one of {', '.join(SHAPES)}")
         if s.noise < 0:
             p.append(f"{where}.noise={s.noise}: must be >= 0")
         if s.n_gpus < 1:

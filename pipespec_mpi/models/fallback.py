@@ -10,6 +10,7 @@ rollback moves an index. On a CPU, grouped-query models attend through ``sdpa_gq
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +34,7 @@ class TransformersScorer:
         self.model = model.eval()
         self.device = device
         self._cache = preallocated_cache(model.config, 1)
+        self._cache_kwarg = cache_kwarg(model)
         self.length = 0
 
     @property
@@ -60,7 +62,8 @@ class TransformersScorer:
     @torch.inference_mode()
     def _forward(self, tokens: list[int], keep: int) -> torch.Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
-        out = self.model(input_ids=ids, cache=self._cache, use_cache=True, logits_to_keep=keep)
+        kwargs = {self._cache_kwarg: self._cache}
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **kwargs)
         self.length += len(tokens)
         return out.logits[0]  # [keep, V]
 
@@ -86,6 +89,13 @@ class TransformersScorer:
         other._cache = preallocated_cache(self.model.config, 1)
         other.length = 0
         return other
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The name transformers' forward takes the KV cache by: ``cache`` in the transformers CI pins,
+    ``past_key_values`` in 5.17 (what a GPU site may bring), where an unknown ``cache=`` would be
+    swallowed by ``**kwargs`` and every forward would start again from position 0."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 SDPA_GQA = "sdpa_gqa"

@@ -1,10 +1,11 @@
 """Build one stage's model (and the hierarchy's tokenizer) from typed config.
 
-Sources: ``tiny`` (derived random models), ``hf`` (hub id or local directory, safetensors),
-``gguf``, ``smollm2`` (embedded), ``int8_copy`` (dynamic int8 copy of another stage),
-``lowbit_copy`` (weight-only bf16/int8/q8/q4 copy of another stage) and ``prompt_lookup``
-(model-free). Hub access is off unless ``PIPESPEC_ALLOW_DOWNLOAD=1``: a model
-that is not on disk fails at once with a message naming the stage, the id and the fix.
+Sources: ``tiny`` (derived random models), ``random`` (a named shape, random weights), ``hf``
+(hub id or local directory, safetensors), ``gguf``, ``smollm2`` (embedded), ``int8_copy``
+(dynamic int8 copy of another stage), ``lowbit_copy`` (weight-only bf16/int8/q8/q4 copy of
+another stage) and ``prompt_lookup`` (model-free). Hub access is off unless
+``PIPESPEC_ALLOW_DOWNLOAD=1``: a model that is not on disk fails at once with a message naming
+the stage, the id and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig, StageConfig, Tok
 from pipespec_mpi.models.engine import Weights, unsupported_reason
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.scorer import Engine, EngineScorer
+from pipespec_mpi.models.shapes import random_llama
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
 from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -108,6 +110,9 @@ def _load_torch_model(
         from pipespec_mpi.models.tiny import build_tiny
 
         return build_tiny(hier.tiny, stage.layers, stage.noise, index, DTYPES[stage.dtype]).to(device)
+    if stage.kind == "random":
+        assert stage.shape is not None
+        return random_llama(stage.shape, device, DTYPES[stage.dtype], seed=hier.tiny.seed * 1000 + index)
     if stage.kind == "hf":
         return _from_pretrained(stage, device, cuda_devices)
     if stage.kind == "gguf":
@@ -243,7 +248,7 @@ def stage_tokenizer(hier: HierarchyConfig, index: int) -> Tokenizer | None:
     if stage.kind in ("int8_copy", "lowbit_copy"):
         assert stage.copy_of is not None
         return stage_tokenizer(hier, stage.copy_of)
-    if stage.kind == "tiny":
+    if stage.kind in ("tiny", "random"):
         return ByteTokenizer(hier.tokenizer.eos_token_id)
     if stage.kind == "smollm2":
         cfg = TokenizerConfig(kind="smollm2", eos_token_id=hier.tokenizer.eos_token_id)

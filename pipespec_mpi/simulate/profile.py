@@ -19,42 +19,27 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pipespec_mpi.models.shapes import SHAPES, params, random_llama
 from pipespec_mpi.simulate.inputs import LatencyProfile
 
-# Llama configs of the paper's models (and SmolLM2-135M's shapes, small enough for a CPU)
-SHAPES: dict[str, dict] = {
-    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
-    "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                num_key_value_heads=8, vocab_size=128256),
-}  # fmt: skip
+__all__ = ["SHAPES", "compile_problems", "measure", "main", "params", "profiles_from"]
+
 VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def params(shape: str) -> int:
-    """Weights of a shape (what a memory-bound step reads)."""
-    s = SHAPES[shape]
-    h, i, n, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    d = h // s["num_attention_heads"]
-    attn = h * d * (2 * s["num_attention_heads"] + 2 * s["num_key_value_heads"])
-    return n * (attn + 3 * h * i) + v * h * (1 if s.get("tie_word_embeddings") else 2)
+# a compiled forward's graphs over the profile's buckets (slots, width and attended length each a
+# power of two, dims of 1 and above specialised apart): more is a recompile the buckets should
+# have prevented (models/scorer.py compile_forward)
+MAX_GRAPHS = 8
 
 
 def random_engine(shape: str, device: str, dtype: str, slots: int, capacity: int):
     """An engine of ``shape`` with random weights on ``device``, its slots prefilled to ``capacity // 2``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipespec_mpi.models.engine import Weights
     from pipespec_mpi.models.scorer import Engine
 
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], rope_theta=500000.0)).to(getattr(torch, dtype))
+    model = random_llama(shape, device, getattr(torch, dtype))
     engine = Engine(Weights.of(model.eval()))
     del model
     for _ in range(slots):
@@ -75,11 +60,11 @@ def _median_s(fn: Callable[[], object], sync: Callable[[], None], repeats: int) 
 
 
 def measure(shape: str, device: str, dtype: str, context: int, repeats: int, compiled: bool,
-            batches: Sequence[int] = BATCHES) -> dict:  # fmt: skip
+            batches: Sequence[int] = BATCHES, backend: str = "inductor") -> dict:  # fmt: skip
     """Seconds of the engine's forwards of ``shape``: verify_s[k] (one sequence, k rows),
     batch_s[B] (B sequences of one row), each at ``context`` positions of context; compiled, as
-    a job compiles it (models/scorer.py ``compile_forward``), with its graph count and the
-    seconds its first calls took (compiling)."""
+    a job compiles it (models/scorer.py ``compile_forward``; ``backend``: a cheaper one counts
+    the same graphs), with its graph count and the seconds its first calls took (compiling)."""
     import torch
     from torch._dynamo.utils import counters
 
@@ -98,7 +83,7 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
 
     modes = [("eager", eng.forward)]
     if compiled:
-        modes.append(("compiled", compile_forward(engine.w)))
+        modes.append(("compiled", compile_forward(engine.w, backend)))
     for mode, fn in modes:
         engine.step, engine.compiled = fn, mode == "compiled"
         if engine.compiled:
@@ -121,6 +106,25 @@ def measure(shape: str, device: str, dtype: str, context: int, repeats: int, com
         if engine.compiled:
             out["compiled_graphs"] = counters["stats"]["unique_graphs"]
             out["graph_breaks"] = sum(counters["graph_break"].values())
+            out["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+            out["cuda_graphs"] = engine.w.device.type == "cuda"  # reduce-overhead: captured
+    return out
+
+
+def compile_problems(m: dict, max_graphs: int = MAX_GRAPHS) -> list[str]:
+    """How a model's compiled forward in a profile (``measure``) differs from what the engine
+    says it does (models/scorer.py ``compile_forward``): whole graphs, at most ``max_graphs`` over
+    the profile's buckets, and on CUDA every graph captured (no CUDA-graph skip, which runs the
+    compiled code without a graph). Empty when it did what it says."""
+    if "compiled_graphs" not in m:
+        return ["not compiled (profile without --compile)"]
+    out = []
+    if m["graph_breaks"]:
+        out.append(f"{m['graph_breaks']} graph breaks")
+    if not 1 <= m["compiled_graphs"] <= max_graphs:
+        out.append(f"{m['compiled_graphs']} graphs (expected 1..{max_graphs})")
+    if m.get("cuda_graphs") and m.get("cudagraph_skips", 0):
+        out.append(f"{m['cudagraph_skips']} CUDA-graph skips (ran without a captured graph)")
     return out
 
 
@@ -173,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-batch", type=int, default=max(BATCHES))
     ap.add_argument("--compile", action="store_true", help="also time the forward under torch.compile")
+    ap.add_argument("--backend", default="inductor", help="torch.compile's backend (aot_eager: the same "
+                    "graphs counted without inductor's compile time, for a CPU check)")  # fmt: skip
     a = ap.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     names = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -182,9 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else _cpu_name()
     date = time.strftime("%Y-%m-%d")
     doc = {"device": device_name, "torch": torch.__version__, "dtype": dtype, "date": date, "models": {}}
+    if a.compile:
+        doc["backend"] = a.backend
     batches = [b for b in BATCHES if b <= a.max_batch]
     for name in names:
-        doc["models"][name] = measure(name, a.device, dtype, a.context, a.repeats, a.compile, batches)
+        doc["models"][name] = measure(
+            name, a.device, dtype, a.context, a.repeats, a.compile, batches, a.backend
+        )
         _report(name, doc["models"][name])
     Path(a.out).write_text(json.dumps(doc, indent=2))
     print(f"profile written to {a.out}")
@@ -199,7 +209,8 @@ def _report(name: str, m: dict) -> None:
             c = m.get("compiled_" + kind, {}).get(n)
             print(f"  {n:>3} {label:5} {1000 * s:8.2f}" + (f" / {1000 * c:8.2f}" if c is not None else ""))
     if "compiled_graphs" in m:
-        print(f"  compiled: {m['compiled_graphs']} graphs, {m['graph_breaks']} graph breaks, "
+        captured = f", {m['cudagraph_skips']} CUDA-graph skips" if m["cuda_graphs"] else ""
+        print(f"  compiled: {m['compiled_graphs']} graphs, {m['graph_breaks']} graph breaks{captured}, "
               f"first calls {m['compile_s']:.1f} s")  # fmt: skip
     sys.stdout.flush()
 

@@ -42,8 +42,21 @@ def test_cuda_build_and_the_sites_mpi(site_mpi):
 def test_the_default_off_a_cluster_is_the_cpu_build_and_the_mpich_wheel():
     out = dry_run("--cpu", "--mpich")
     assert "torch: cpu build; MPI: MPICH wheel" in out
-    assert "install -q --disable-pip-version-check torch==2.13.0" in out and "--index-url" not in out
+    assert "--disable-pip-version-check -c scripts/pins.txt torch==2.13.0" in out and "--index-url" not in out
     assert "-e .[test,plots,mpich]" in out
+
+
+def test_ci_installs_the_exact_pins_where_the_package_accepts_a_range():
+    """pyproject.toml accepts a site's torch from 2.11 on and the transformers of its time; every
+    install of setup.sh is constrained to scripts/pins.txt's exact versions (what CI runs)."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "torch>=2.11" in deps and "transformers>=5.17,<6" in deps
+    pins = (ROOT / "scripts" / "pins.txt").read_text().split()
+    assert {"torch==2.13.0", "transformers==5.24.0"} <= set(pins)
+    installs = [line for line in dry_run("--cpu", "--mpich").splitlines() if " install " in line]
+    assert installs and all("-c scripts/pins.txt" in line for line in installs)
 
 
 @pytest.mark.skipif(shutil.which("mpicc", path="/usr/bin:/bin") is not None, reason="a system mpicc")

@@ -136,6 +136,15 @@ def test_prompt_lookup_only_heads_a_hierarchy():
     assert any("only be stage 0" in p for p in validate(c))
 
 
+def test_a_random_stage_names_a_known_shape():
+    c = compose_config(["hierarchy=random_llama3"])
+    assert [st.shape for st in c.hierarchy.stages] == [None, "1B", "8B"]
+    c.hierarchy.stages = (c.hierarchy.stages[0], StageConfig("r", "random", shape="9B"))
+    assert any(
+        "stages[1] (r).shape='9B': required for kind=random, one of toy, 135M" in p for p in validate(c)
+    )
+
+
 def test_a_config_error_survives_pickling_with_its_problems():
     """hierarchy=auto finds some problems on rank 0 and broadcasts the error to every rank."""
     import pickle

@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from pipespec_mpi.host.dispatch import supported_isas
 from pipespec_mpi.models.cpu.flat_linear import MAX_ROWS, extension, use_flat_linear
-from pipespec_mpi.models.fallback import use_sdpa_gqa
+from pipespec_mpi.models.fallback import cache_kwarg, use_sdpa_gqa
 from pipespec_mpi.models.kv_cache import PreallocatedLayer, preallocated_cache
 
 
@@ -32,7 +32,7 @@ def replay(model, cache, steps) -> list[torch.Tensor]:
     for kind, arg in steps:
         if kind == "f":
             ids = torch.tensor([arg])
-            out.append(model(input_ids=ids, cache=cache, logits_to_keep=len(arg)).logits[0])
+            out.append(model(input_ids=ids, logits_to_keep=len(arg), **{cache_kwarg(model): cache}).logits[0])
         else:
             cache.crop(-arg)
     return out
@@ -107,11 +107,16 @@ def test_flat_model_one_token_steps_equal_verification_rows():
     prompt = list(range(5, 30))
     proposal = [40, 41, 42, 43, 44, 45]
     with torch.inference_mode():
+        name = cache_kwarg(model)  # the transformers of CI's pin and 5.17 name it differently
         c1 = preallocated_cache(model.config, 64)
-        model(input_ids=torch.tensor([prompt]), cache=c1)
-        batch = model(input_ids=torch.tensor([proposal]), cache=c1, logits_to_keep=len(proposal)).logits[0]
+        model(input_ids=torch.tensor([prompt]), **{name: c1})
+        batch = model(input_ids=torch.tensor([proposal]), logits_to_keep=len(proposal), **{name: c1}).logits[
+            0
+        ]
         c2 = preallocated_cache(model.config, 64)
-        model(input_ids=torch.tensor([prompt]), cache=c2)
-        steps = torch.cat([model(input_ids=torch.tensor([[t]]), cache=c2).logits[0, -1:] for t in proposal])
+        model(input_ids=torch.tensor([prompt]), **{name: c2})
+        steps = torch.cat(
+            [model(input_ids=torch.tensor([[t]]), **{name: c2}).logits[0, -1:] for t in proposal]
+        )
     torch.testing.assert_close(batch, steps, rtol=1e-5, atol=1e-5)
     assert torch.equal(batch.argmax(-1), steps.argmax(-1))

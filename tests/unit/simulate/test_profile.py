@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipespec_mpi.simulate import cli
-from pipespec_mpi.simulate.profile import SHAPES, params, profiles_from
+from pipespec_mpi.simulate.profile import MAX_GRAPHS, SHAPES, compile_problems, params, profiles_from
 from pipespec_mpi.simulate.profile import main as profile_main
 
 
@@ -47,3 +47,15 @@ def test_simulate_reads_a_profile_measured_here(tmp_path, capsys):
     assert got["models"]["8B"].startswith("scaled from 135M") and SHAPES["135M"]
     ar = next(r for r in got["rows"] if r["method"] == "ar" and r["batch_size"] == 1)
     assert ar["speedup"] == 1.0 and ar["ms_per_token"] > 0
+
+
+def test_compile_problems_name_what_the_compiled_forward_did_otherwise():
+    whole = {"compiled_graphs": 3, "graph_breaks": 0, "cudagraph_skips": 0, "cuda_graphs": True}
+    assert compile_problems(whole) == []
+    assert compile_problems({"verify_s": {}}) == ["not compiled (profile without --compile)"]
+    bad = {**whole, "compiled_graphs": MAX_GRAPHS + 1, "graph_breaks": 2, "cudagraph_skips": 1}
+    assert compile_problems(bad) == [
+        "2 graph breaks", f"{MAX_GRAPHS + 1} graphs (expected 1..{MAX_GRAPHS})",
+        "1 CUDA-graph skips (ran without a captured graph)",
+    ]  # fmt: skip
+    assert compile_problems({**bad, "cuda_graphs": False, "compiled_graphs": 2, "graph_breaks": 0}) == []
