@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from pipespec_mpi.models.cpu.flat_linear import cpu_isa, use_flat_linear
 from pipespec_mpi.models.cpu.lowbit import read_exact_blocks
 from pipespec_mpi.models.cpu.plugins import cpu_weights
-from pipespec_mpi.models.fallback import use_sdpa_gqa
+from pipespec_mpi.models.fallback import cache_kwarg, use_sdpa_gqa
 from pipespec_mpi.models.kv_cache import preallocated_cache
 from pipespec_mpi.models.scorer import Engine, Request
 from pipespec_mpi.models.smollm2 import ensure_cache
@@ -40,7 +40,8 @@ Forward = Callable[[torch.Tensor, object, int, bool], object]  # (ids, cache, ke
 
 
 def transformers_forward(model) -> Forward:
-    return lambda ids, cache, keep, decoding: model(input_ids=ids, cache=cache, logits_to_keep=keep)
+    name = cache_kwarg(model)  # the KV cache's keyword in the installed transformers
+    return lambda ids, cache, keep, decoding: model(input_ids=ids, logits_to_keep=keep, **{name: cache})
 
 
 def stage(model, capacity: int) -> tuple[Forward, Callable[[], int]]:
