@@ -161,12 +161,13 @@ Step = Callable[[str, float], AbstractContextManager]  # (step, its limit in s) 
 
 def init_torch_distributed(
     world: World, backend: str, iface: str | None, port: int | None = None, timeout_s: float = 60.0,
-    step: Step | None = None,
+    step: Step | None = None, setting: str = "transport.rendezvous_timeout_s",
 ) -> None:  # fmt: skip
     """Initialise torch.distributed over the MPI world (rank 0 picks its address, and a free
     port unless ``port`` is given), each step ended within ``timeout_s`` of the start, else
-    ``RendezvousError`` naming the ranks that did not answer (comm/rendezvous.py). ``step(name,
-    limit_s)`` wraps each step (the start-up watchdog's phase, a backstop ``STEP_GRACE_S`` later)."""
+    ``RendezvousError`` naming the ranks that did not answer and the ``setting`` behind the limit
+    (comm/rendezvous.py). ``step(name, limit_s)`` wraps each step (the start-up watchdog's phase,
+    a backstop ``STEP_GRACE_S`` later)."""
     import torch.distributed as dist
 
     from pipespec_mpi.comm import rendezvous as rv
@@ -175,7 +176,7 @@ def init_torch_distributed(
         return
     step = step or (lambda name, limit_s: nullcontext())
     comm = world.comm
-    deadline = rv.Deadline(timeout_s)
+    deadline = rv.Deadline(timeout_s, setting)
     with step("check-in", deadline.left() + STEP_GRACE_S):
         rv.check_in(comm, world.hosts, deadline)
     with step("address", deadline.left() + STEP_GRACE_S):

@@ -34,13 +34,17 @@ class RendezvousError(RuntimeError):
 
 @dataclass
 class Deadline:
-    """``limit_s`` from ``start`` (time.monotonic)."""
+    """``limit_s`` from ``start`` (time.monotonic), as the setting named ``setting`` asks."""
 
     limit_s: float
+    setting: str = "transport.rendezvous_timeout_s"
     start: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
         return max(0.0, self.start + self.limit_s - time.monotonic())
+
+    def __str__(self) -> str:
+        return f"{self.limit_s:g} s ({self.setting})"
 
 
 def who(hosts: Sequence[str], ranks: Sequence[int]) -> str:
@@ -64,7 +68,7 @@ def check_in(comm: Any, hosts: Sequence[str], deadline: Deadline, grace_s: float
     naming those that did not. Rank 0 collects and answers; the others wait ``grace_s`` longer
     for its answer (it is sent at rank 0's deadline) before naming rank 0."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    limit = f"{deadline.limit_s:g} s (transport.rendezvous_timeout_s)"
+    limit = str(deadline)
     if size == 1:
         return
     if rank == 0:
@@ -118,7 +122,7 @@ def open_store(rank: int, size: int, addr: str, port: int, hosts: Sequence[str],
             time.sleep(min(backoff.take(), deadline.left()))
     raise RendezvousError(
         f"{who(hosts, [rank])} could not connect to the rendezvous store of {who(hosts, [0])} at "
-        f"{addr}:{port} within {deadline.limit_s:g} s (transport.rendezvous_timeout_s): {last}"
+        f"{addr}:{port} within {deadline}: {last}"
     )
 
 
@@ -135,8 +139,7 @@ def wait_marked(store: Any, size: int, hosts: Sequence[str], deadline: Deadline)
     except RuntimeError as err:  # torch's DistStoreError ("wait timeout"), or the store gone
         missing = [r for r, k in enumerate(keys) if not _has(store, k)]
         raise RendezvousError(
-            f"{who(hosts, missing) or 'some rank'} did not join the rendezvous store within "
-            f"{deadline.limit_s:g} s (transport.rendezvous_timeout_s): {err}"
+            f"{who(hosts, missing) or 'some rank'} did not join the rendezvous store within {deadline}: {err}"
         ) from err
 
 
@@ -162,7 +165,6 @@ def connect_pairs(
                                 timeout=timedelta(seconds=max(deadline.left(), 1.0)))  # fmt: skip
     except RuntimeError as err:
         raise RendezvousError(
-            f"the {backend} process group did not connect on {who(hosts, [rank])} within "
-            f"{deadline.limit_s:g} s (transport.rendezvous_timeout_s): {err}"
+            f"the {backend} process group did not connect on {who(hosts, [rank])} within {deadline}: {err}"
         ) from err
     _set_pg_timeout(default_pg_nccl_timeout if backend == "nccl" else default_pg_timeout)

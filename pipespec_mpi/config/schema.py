@@ -315,7 +315,8 @@ class TransportConfig:
     port: int | None = None  # rank 0's rendezvous port for gloo/nccl (None: a free one; set it where a
     # firewall opens only some ports)
     rendezvous_timeout_s: float = 60.0  # the gloo/nccl rendezvous (check-in, store, pairs) ends within
-    # this many seconds, or the job ends naming the rank and host that did not answer (comm/rendezvous.py)
+    # this many seconds (or run.startup_timeout_s where tighter), or the job ends naming the rank and
+    # host that did not answer (comm/rendezvous.py)
 
 
 @dataclass

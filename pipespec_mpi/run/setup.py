@@ -157,10 +157,14 @@ def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWa
     t = cfg.transport
     backend = "gloo" if transport == "strict" else transport
 
-    def step(name: str, limit_s: float):
-        return watchdog.phase(f"rendezvous ({transport}): {name}", limit_s, "transport.rendezvous_timeout_s")
+    # the rendezvous' own bound, or the start-up's limit for any phase where that is tighter
+    limit_s, setting = min((t.rendezvous_timeout_s, "transport.rendezvous_timeout_s"),
+                           (cfg.run.startup_timeout_s, "run.startup_timeout_s"))  # fmt: skip
 
-    init_torch_distributed(world, backend, t.iface, t.port, t.rendezvous_timeout_s, step)
+    def step(name: str, step_s: float):
+        return watchdog.phase(f"rendezvous ({transport}): {name}", step_s, setting)
+
+    init_torch_distributed(world, backend, t.iface, t.port, limit_s, step, setting)
     return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == "strict" else None
 
 
