@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from pipespec_mpi.tensors import upload
+from pipespec_mpi.speculative.transfer import upload
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipespec_mpi.tensors import read, upload
+from pipespec_mpi.speculative.transfer import read, upload
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import torch
 
 from pipespec_mpi.speculative.greedy import Verdict, verdicts
 from pipespec_mpi.speculative.sampling import Sampler, mix, speculative_verify
-from pipespec_mpi.tensors import read, upload
+from pipespec_mpi.speculative.transfer import read, upload
 
 
 @dataclass(frozen=True)
