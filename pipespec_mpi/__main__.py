@@ -92,11 +92,13 @@ def app(cfg: DictConfig) -> None:
 
 def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     """The job on this rank; its exit code (non-zero when asked to stop early: run/drain.py)."""
+    from pipespec_mpi.plan.memory import NodeMemory
     from pipespec_mpi.run import Runner
 
     n = cfg.hierarchy.n_stages
     logger.addFilter(StageTag(f"replica {world.rank // n} stage {world.rank % n}"))
-    return Runner(cfg, run_dir, world).run()
+    memory = NodeMemory(cfg, world) if cfg.online.remember and world.rank % n == n - 1 else None
+    return Runner(cfg, run_dir, world, memory).run()
 
 
 def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:

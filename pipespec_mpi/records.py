@@ -67,6 +67,9 @@ class Record:
     batch_size: int = 1  # sequences in flight per stage while this one decoded (stage/batch.py)
     slot: int = 0  # which of them
     phase: int | None = None  # its phase: the number of the phase's first job (None: not recorded)
+    decoded_by: str | None = None  # method=online: the plan it ran ("pipespec 0-2", "ar"; run/online.py)
+    route: list[int] | None = None  # the stages that decoded it (None: all; AR: the last alone)
+    plan_note: str | None = None  # method=online: why that plan
     temperature: float = 0.0  # the job's, or its row's own
     top_p: float = 1.0
     top_k: int = 0

@@ -3,11 +3,15 @@
 Ranks are laid out replica-major: replica r owns world ranks r*k .. r*k + k-1, stage s of replica r
 is world rank r*k + s. With ``srun``/``mpirun`` filling nodes in order, each replica's stages sit
 on consecutive ranks (the same node where they fit), which keeps proposal traffic node-local.
+
+A route is a sub-pipeline of the hierarchy that a job may decode on instead of all of it (the
+online plan, plan/online.py): its stages in order, ending with the last; the replica's other
+stages sit that job out. ``Placement.on_route`` is a rank's place on one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipespec_mpi.errors import UserError
 
@@ -23,6 +27,30 @@ class Placement:
     n_stages: int
     replica: int
     stage: int
+    # the stages a job decodes on (``routes``); None: all of them. Neighbours follow the route.
+    route: tuple[int, ...] | None = None
+
+    def on_route(self, route: tuple[int, ...]) -> Placement:
+        """This rank's place when a job decodes on ``route`` (its neighbours are the route's)."""
+        return replace(self, route=None if route == tuple(range(self.n_stages)) else tuple(route))
+
+    @property
+    def member(self) -> bool:
+        """This rank's stage decodes on its route."""
+        return self.route is None or self.stage in self.route
+
+    def _along(self, step: int) -> int | None:
+        """The hierarchy index of the stage ``step`` away along the route (None: past its end)."""
+        stages = self.route if self.route is not None else tuple(range(self.n_stages))
+        if self.stage not in stages:
+            return None
+        i = stages.index(self.stage) + step
+        return stages[i] if 0 <= i < len(stages) else None
+
+    @property
+    def upstream_stage(self) -> int | None:
+        """The stage that proposes to this one on its route."""
+        return self._along(-1)
 
     @property
     def n_replicas(self) -> int:
@@ -45,12 +73,14 @@ class Placement:
     @property
     def upstream(self) -> int | None:
         """World rank of the stage that proposes to this one (the smaller model)."""
-        return None if self.is_first else self.rank_of(self.stage - 1)
+        up = self._along(-1)
+        return None if up is None else self.rank_of(up)
 
     @property
     def downstream(self) -> int | None:
         """World rank of the stage that verifies this one's output (the larger model)."""
-        return None if self.is_last else self.rank_of(self.stage + 1)
+        down = self._along(1)
+        return None if down is None else self.rank_of(down)
 
     @property
     def neighbours(self) -> list[int]:
@@ -70,6 +100,29 @@ class Placement:
 
     def replica_ranks(self) -> list[int]:
         return [self.rank_of(s) for s in range(self.n_stages)]
+
+
+def routes(n_stages: int, model_free: frozenset[int] = frozenset()) -> list[tuple[int, ...]]:
+    """Every route of a hierarchy of ``n_stages``: the sub-pipelines ending with its last stage in
+    which a ``model_free`` stage (no model to verify with) comes first only; the whole hierarchy
+    first, the last stage alone (AR) last, the longer before the shorter."""
+    last = n_stages - 1
+    found = []
+    for mask in range(1 << last):
+        stages = tuple(s for s in range(last) if mask >> s & 1) + (last,)
+        if not any(s in model_free for s in stages[1:]):
+            found.append(stages)
+    return sorted(found, key=lambda r: (-len(r), r))
+
+
+def route_name(route: tuple[int, ...]) -> str:
+    """How a route is written in settings and records: its stage indices joined by '-'."""
+    return "-".join(map(str, route))
+
+
+def parse_route(text: str) -> tuple[int, ...]:
+    """The route ``route_name`` wrote (ValueError if it is not one)."""
+    return tuple(int(part) for part in str(text).split("-"))
 
 
 def check_world(world_size: int, n_stages: int) -> None:

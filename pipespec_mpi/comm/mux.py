@@ -25,8 +25,9 @@ MUXED = ("nccl", "strict")  # transports whose slots share one link per pair
 class SlotSender:
     """Slot ``slot``'s sending end on the pair's link."""
 
-    def __init__(self, link: Sender, slot: int) -> None:
+    def __init__(self, link: Sender, slot: int, owner: bool | None = None) -> None:
         self.link, self.slot = link, slot
+        self.owner = slot == 0 if owner is None else owner  # closes the link, after every slot
         self.bytes_sent = 0  # this slot's share of the link's bytes
 
     def try_send(
@@ -38,7 +39,7 @@ class SlotSender:
         return n
 
     def close(self, wait) -> None:
-        if self.slot == 0:  # the link's owner: every slot is done by now
+        if self.owner:  # every slot is done by now
             self.link.close(wait)
 
 
@@ -61,12 +62,13 @@ class Demux:
 class SlotReceiver:
     """Slot ``slot``'s receiving end on the pair's link."""
 
-    def __init__(self, demux: Demux, slot: int) -> None:
+    def __init__(self, demux: Demux, slot: int, owner: bool | None = None) -> None:
         self.demux, self.slot = demux, slot
+        self.owner = slot == 0 if owner is None else owner
 
     def poll(self) -> list[Proposal]:
         return self.demux.take(self.slot)
 
     def close(self, wait) -> None:
-        if self.slot == 0:
+        if self.owner:
             self.demux.link.close(wait)

@@ -18,6 +18,7 @@ from pipespec_mpi.config.schema import (
     DecodeConfig,
 )
 from pipespec_mpi.config.shapes import SHAPES
+from pipespec_mpi.topology import parse_route, route_name, routes
 from pipespec_mpi.data.config import problems as dataset_problems
 
 
@@ -173,7 +174,8 @@ def validate(cfg: AppConfig) -> list[str]:
     if h.stages and h.stages[-1].kind in DRAFTER_KINDS:
         p.append("hierarchy: the last stage must be a model (it produces the answer)")
 
-    sd_needed = cfg.method == "sd" or (cfg.run.mode == "benchmark" and "sd" in cfg.run.methods)
+    methods = set(cfg.run.methods) if cfg.run.mode == "benchmark" else {cfg.method}
+    sd_needed = "sd" in methods or ("online" in methods and "sd" in cfg.online.methods)
     p.extend(validate_decode(cfg.decode, sd_needed))
 
     p.extend(dataset_problems(cfg.dataset))
@@ -227,6 +229,31 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"auto.max_stages={a.max_stages}: must be an integer >= 1")
     if not a.batch_sizes or any(not _int(b) or not 1 <= b <= 64 for b in a.batch_sizes):
         p.append(f"auto.batch_sizes={list(a.batch_sizes)}: integers in 1..64, at least one")
+    p.extend(online_problems(cfg))
+    return p
+
+
+def online_problems(cfg: AppConfig) -> list[str]:
+    """``online``'s settings, and its routes against the hierarchy."""
+    o, h = cfg.online, cfg.hierarchy
+    p: list[str] = []
+    valid = routes(h.n_stages, h.model_free)
+    for text in o.routes:
+        try:
+            route = parse_route(text)
+        except ValueError:
+            route = ()
+        if route not in valid:
+            p.append(f"online.routes: {text!r} is not a route of {h.name} (stage indices joined by '-', "
+                     f"ending with {h.n_stages - 1}, a model-free stage only first): one of "
+                     f"{', '.join(route_name(r) for r in valid)}")  # fmt: skip
+    if any(m in ("ar", "online") for m in o.methods) or not o.methods:
+        p.append(f"online.methods={list(o.methods)}: speculative methods (sd, pipespec), at least one")
+    for key in ("explore", "recheck_every", "window", "chunk"):
+        if not _int(getattr(o, key)) or getattr(o, key) < 1:
+            p.append(f"online.{key}={getattr(o, key)}: must be an integer >= 1")
+    if not 0 <= o.margin < 1:
+        p.append(f"online.margin={o.margin}: must be in 0..1")
     return p
 
 

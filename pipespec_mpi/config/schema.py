@@ -17,6 +17,7 @@ class Method(Choice):
     ar = "ar"
     sd = "sd"
     pipespec = "pipespec"
+    online = "online"  # each prompt on the plan the online plan picks (OnlineConfig, plan/online.py)
 
 
 class Policy(Choice):
@@ -392,6 +393,31 @@ class AutoConfig:
 
 
 @dataclass
+class OnlineConfig:
+    """How ``method=online`` picks each prompt's plan (plan/online.py): a bandit over AR and
+    ``methods`` on each of ``routes``, by the ms per token each measures on the job's own prompts.
+    Greedy and Gumbel outputs are the same on every plan; Leviathan sampling's are not, so a
+    prompt that samples by it runs the whole hierarchy's PipeSpec (docs/online.md)."""
+
+    # the sub-pipelines it may run, each its stage indices joined by '-' and ending with the last
+    # stage ("0-2"); empty: every one (topology.py ``routes``); AR, the last stage alone, always
+    routes: tuple[str, ...] = ()
+    methods: tuple[Method, ...] = (Method.pipespec,)  # the speculative methods tried on each route
+    explore: int = 1  # prompts (batched: chunks) each plan decodes before the first choice
+    recheck_every: int = 8  # after that, every n-th prompt re-measures another plan
+    margin: float = 0.05  # a plan must measure this much faster than the current one to take over
+    window: int = 8  # the newest measurements of a plan its estimate (their median) is taken over
+    chunk: int = 2  # batched: a plan decodes chunk * batch_size prompts before the next pick
+    # start from what the last job with these stages measured on this kind of node (the cache of
+    # auto.cache_dir), re-checked as it runs; false: measure every plan afresh
+    remember: bool = True
+
+    def __post_init__(self) -> None:
+        self.routes = tuple(str(r) for r in self.routes)
+        self.methods = tuple(self.methods)
+
+
+@dataclass
 class DeviceConfig:
     """What computes a model stage's forwards (models/loader.py, the device seam: platform.py)."""
 
@@ -409,11 +435,12 @@ class DeviceConfig:
 @dataclass
 class AppConfig:
     hierarchy: HierarchyConfig
-    method: Method = Method.pipespec  # ar | sd | pipespec (run.mode=single)
+    method: Method = Method.online  # ar | sd | pipespec | online (run.mode=single)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     run: RunConfig = field(default_factory=RunConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)

@@ -96,10 +96,12 @@ class CpuPlacement:
     binds (``host/placement.py binds``), else the CPUs it was launched with; a last stage computing alone
     (AR) takes ``share.solo`` threads, unbound."""
 
-    def __init__(self, share: CpuShare, mode: str) -> None:
+    def __init__(self, share: CpuShare, mode: str, routes: dict[tuple[int, ...], CpuShare] | None = None) -> None:
         import torch
 
         self.share, self.mode = share, mode
+        # where a job decodes on a route (run/online.py), this rank's share among its stages
+        self.routes = dict(routes or {})
         self.home = self.current = frozenset(os.sched_getaffinity(0))
         self.threads = share.threads  # its torch threads now
         torch.set_num_threads(self.threads)
@@ -132,21 +134,24 @@ class CpuPlacement:
         import torch
 
         self.share = CpuShare(self.share.solo, None, cores=self.share.cores)
+        self.routes = {}
         self.threads = self.share.threads
         torch.set_num_threads(self.threads)
 
-    def enter(self, batch_size: int, method: str) -> None:
-        """Threads and CPUs for a job of ``method`` at ``batch_size`` (idempotent: the jobs of a
-        phase ask alike; at batch 1 the methods alternate job by job)."""
+    def enter(self, batch_size: int, method: str, route: tuple[int, ...] | None = None) -> None:
+        """Threads and CPUs for a job of ``method`` at ``batch_size`` on ``route`` (None: the
+        whole hierarchy; idempotent: the jobs of a phase ask alike; at batch 1 the methods
+        alternate job by job)."""
         import torch
 
         alone = method == "ar" and self.share.solo is not None
-        bound = self.share.cpus is not None and binds(self.mode, batch_size) and not alone
-        want = frozenset(self.share.cpus) if bound else self.home
+        share = self.routes.get(route, self.share) if route is not None else self.share
+        bound = share.cpus is not None and binds(self.mode, batch_size) and not alone
+        want = frozenset(share.cpus) if bound else self.home
         if want != self.current:
             os.sched_setaffinity(0, want)
             self.current = want
-        threads = self.share.solo if alone else self.share.threads
+        threads = self.share.solo if alone else share.threads
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads

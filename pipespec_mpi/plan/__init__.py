@@ -9,6 +9,7 @@ realize.py  the config (realize) or the Hydra overrides that run an option; sele
 table.py    the planner's table (laid out by analysis/table.py, as every tool's)
 record.py   plan.json typed (PlanRecord, SearchInputs): write_plan, read_plan
 job.py      hierarchy=auto in an MPI job: measure on rank 0, choose, run the choice
+memory.py   the online plan's estimates kept in the node's cache for the next job
 cli.py      pipespec-plan (--config, RUN_DIR, --preset paper, --measure)
 """
 

@@ -167,12 +167,15 @@ class RecordAssembler:
         return Record(
             prompt_id=job.prompt_id,
             replica=self.replica,
-            method=job.method,
+            method=job.label,
             warmup=job.warmup,
             sample_idx=job.sample_idx,
             batch_size=job.batch_size,
             slot=job.slot,
             phase=job.phase,
+            decoded_by=job.plan,
+            route=list(job.route) if job.route is not None else None,
+            plan_note=job.plan_note,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -257,12 +260,14 @@ class Collector:
         self, assemble: RecordAssembler, part: Path, progress=None, log_progress: Progress | None = None
     ) -> None:
         self.assemble, self.bar, self.log_progress = assemble, progress, log_progress
+        self.tokens = 0  # committed tokens of every record so far (the online plan's measure)
         part.parent.mkdir(parents=True, exist_ok=True)
         drop_torn_tail(part)  # a resumed run appends after what a killed one left
         self.file = open(part, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> None:
         rec = self.assemble(job, outcome, stats)
+        self.tokens += rec.n_new_tokens
         self.file.write(rec.to_line())
         self.file.flush()
         os.fsync(self.file.fileno())
@@ -273,7 +278,7 @@ class Collector:
             last = rec.stages[-1]
             acc = last.tokens_accepted / last.verifications if last.verifications else 0
             self.bar.set_postfix(
-                method=job.method, tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}", accepted=f"{acc:.2f}"
+                method=job.plan or job.method, tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}", accepted=f"{acc:.2f}"
             )
 
     def skipped(self, n: int) -> None:

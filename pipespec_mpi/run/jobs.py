@@ -50,7 +50,9 @@ JobKey = tuple[str, str, int, int]  # (prompt id, method, sample index, batch si
 @dataclass(frozen=True)
 class Job:
     """One unit of timed work: a prompt decoded with one method, in a phase of the job whose
-    sequences all decode at ``batch_size`` (``slot``: which of the phase's slots decodes it)."""
+    sequences all decode at ``batch_size`` (``slot``: which of the phase's slots decodes it).
+    Under the online plan the method and ``route`` are those it picked for the job (``plan``: its
+    name, ``plan_note``: why); planned, such a job's method is ``online``."""
 
     seq: int
     prompt: Prompt
@@ -60,6 +62,22 @@ class Job:
     batch_size: int = 1
     phase: int = 0  # the number its phase's first job has (0: a warm-up), unique in the replica
     slot: int = 0
+    route: tuple[int, ...] | None = None  # the stages it decodes on (topology.py); None: all of them
+    plan: str | None = None  # the online plan's name for it (run/online.py ``Arm.name``)
+    plan_note: str | None = None
+
+    @property
+    def online(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def label(self) -> str:
+        """The method the job was asked for: what its record, summary entry and key name."""
+        return "online" if self.online else self.method
+
+    def runs_on(self, stage: int) -> bool:
+        """Whether ``stage`` decodes this job (AR: the last stage alone; the others sit it out)."""
+        return self.route is None or stage in self.route
 
     @property
     def prompt_id(self) -> str:
@@ -76,7 +94,7 @@ class Job:
 
     @property
     def key(self) -> JobKey:
-        return (self.prompt_id, self.method, self.sample_idx, self.batch_size)
+        return (self.prompt_id, self.label, self.sample_idx, self.batch_size)
 
     @property
     def store_key(self) -> str:
@@ -85,7 +103,7 @@ class Job:
         every phase; drafting a prompt from its own output of another phase made it look fast
         (docs/notebook.md, "Measurements behind the code's choices"). A job that decodes each
         prompt once (run.mode=single) has one store, as before."""
-        return f"{self.method}:warmup" if self.warmup else f"{self.method}:b{self.batch_size}"
+        return f"{self.label}:warmup" if self.warmup else f"{self.label}:b{self.batch_size}"
 
 
 def _tokens(req: Request, tokenizer, chat: bool) -> list[int]:
@@ -217,7 +235,7 @@ def batch_sizes(cfg: AppConfig) -> tuple[int, ...]:
     return (cfg.decode.batch_size,)
 
 
-def _methods(cfg: AppConfig) -> list[str]:
+def job_methods(cfg: AppConfig) -> list[str]:
     return list(cfg.run.methods) if cfg.run.mode == "benchmark" else [cfg.method]
 
 
@@ -236,7 +254,7 @@ def plan_jobs(
     Jobs are numbered from ``first_seq`` + 1, a phase by its first job's number (so that a
     phase's records are told apart from a later phase's, of this round or another, at the same
     batch size); those in ``done`` (a resumed run's) are left out."""
-    methods = _methods(cfg)
+    methods = job_methods(cfg)
     jobs: list[Job] = []
     seq = first_seq
     for p in prompts[: _warmups(cfg, len(prompts)) if warmups else 0]:
@@ -259,8 +277,8 @@ def plan_jobs(
 def count_jobs(cfg: AppConfig, n_prompts: int, warmups: bool = True) -> int:
     """How many jobs ``plan_jobs`` numbers for ``n_prompts`` prompts, done or not (a replica's
     total, known before its rows are read: progress and ETA; a round's, to number the next)."""
-    per_prompt = cfg.sampling.num_samples * len(_methods(cfg)) * len(batch_sizes(cfg))
-    warm = _warmups(cfg, n_prompts) * len(_methods(cfg)) if warmups else 0
+    per_prompt = cfg.sampling.num_samples * len(job_methods(cfg)) * len(batch_sizes(cfg))
+    warm = _warmups(cfg, n_prompts) * len(job_methods(cfg)) if warmups else 0
     return warm + n_prompts * per_prompt
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,6 +40,8 @@ from pipespec_mpi.run.drive import drive
 from pipespec_mpi.run.faults import maybe_fail
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.gpu_monitor import GpuMonitor
+from pipespec_mpi.run.decisions import OnlineDecisions, PlanMemory, Wait
+from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.jobs import (
     Job,
     JobKey,
@@ -57,7 +60,7 @@ from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.process import StageProcess
 from pipespec_mpi.stage.wait import StallError, wait_until
-from pipespec_mpi.topology import place
+from pipespec_mpi.topology import Placement, place
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -69,11 +72,13 @@ FINALIZE_WAIT_S = 3600.0
 
 
 class Runner:
-    def __init__(self, cfg: AppConfig, run_dir: Path, world: World) -> None:
+    def __init__(self, cfg: AppConfig, run_dir: Path, world: World, memory: PlanMemory | None = None) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
         self.bell: Doorbell | None = None  # set up with the links (host/doorbell.py)
+        self.memory = memory  # what the online plan starts from and leaves for the next job
+        self.collector: Collector | None = None
 
     def run(self) -> int:
         """Decode this rank's jobs; the job's exit code (0, or run/drain.py's when it was asked to
@@ -90,17 +95,34 @@ class Runner:
             loaded.row_error.collective = True
             raise loaded.row_error
         n_slots = max(batch_sizes(cfg))
+        routes: list[tuple[int, ...] | None] = [None, *extra_routes(cfg)]  # None: the whole hierarchy
         with watchdog.phase("channels and windows"):
-            slot_links = [setup.connect(cfg, self.world, pl, loaded, slots=n_slots)]
-            for s in range(1, n_slots):
-                slot_links.append(setup.connect(cfg, self.world, pl, loaded, s, slot_links[0], n_slots))
+            pairs: dict = {}  # nccl and strict: one link per pair, its lanes' ports on it
+            lanes = {
+                route: [
+                    setup.connect(cfg, self.world, self._on(route), loaded, i * n_slots + s, pairs, n_slots)
+                    for s in range(n_slots)
+                ]
+                for i, route in enumerate(routes)
+            }
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
         patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
+        slot_links = lanes[None]
         loops = [
             setup.stage_loop(cfg, pl, loaded, ln, slot=s, bell=self.bell) for s, ln in enumerate(slot_links)
         ]
+        # a route's loops share the whole hierarchy's sequences (one route decodes at a time)
+        self.route_loops = {None: loops} | {
+            route: [
+                setup.stage_loop(cfg, self._on(route), loaded, ln, s, self.bell, loops[s].model)
+                for s, ln in enumerate(lanes[route])
+            ]
+            for route in routes[1:]
+            if pl.stage in route
+        }
         links = slot_links[0]
+        self.online = OnlineDecisions(cfg, pl, self.memory)
         done_keys = self._done()
         total = count_jobs(cfg, loaded.n_prompts)
         hosts = [self.world.hosts[r] for r in pl.replica_ranks()]  # per stage of this replica
@@ -116,6 +138,7 @@ class Runner:
                 progress=progress_bar(cfg, pl, total),
                 log_progress=Progress(pl.replica, total, cfg.run.progress_every_s),
             )
+        self.collector = collector
         index: dict[int, int] = {}  # job seq -> its place among the replica's jobs (faults.py)
 
         def slot(s: int, group: list[Job], queue: JobQueue | None) -> StageProcess:
@@ -132,7 +155,7 @@ class Runner:
 
             def started(job: Job) -> None:
                 maybe_fail(self.world.rank, index[job.seq])
-                loaded.cpus.enter(job.batch_size, job.method)
+                loaded.cpus.enter(job.batch_size, job.method, job.route)
                 to_leader.started()  # the job's measurements: the rank's CPU time, its GPUs
 
             handoff = to_leader
@@ -143,7 +166,7 @@ class Runner:
                 handoff = RingingHandoff(handoff, self.bell, pl.peers)
                 deal = None if deal is None else RingingDeal(deal, self.bell, pl.peers)
             return StageProcess(
-                loops[s], gate, handoff, group,
+                self._loops_for(group[0].route)[s], gate, handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=started,
                 deal=deal, collectives_ring=patient,
             )  # fmt: skip
@@ -194,8 +217,10 @@ class Runner:
         )
         # Graceful close only on success: after an error this rank aborts the job instead of
         # waiting for peers that may never answer.
-        for ln in slot_links:
-            ln.close(cfg.run.stall_timeout_s)
+        self.online.close(self.run_dir)
+        for route in routes:
+            for ln in lanes[route]:
+                ln.close(cfg.run.stall_timeout_s)
         if self.bell is not None:
             self.bell.close()
         stop.close()
@@ -216,26 +241,62 @@ class Runner:
         and batch size get (``CpuPlacement.enter``, in the slot's start hook). Returns the jobs
         handed over and those not started (the replica agreed to stop: later phases are not
         started)."""
+        parts = [part for group in groups for part in self.online.split(group)]
         done = left = 0
-        for g, group in enumerate(groups):
-            size = group[0].batch_size
-            b = min(size, len(group))
-            for loop in loops:  # between phases (no prompt in flight): its settings, what was learned kept
+        for g, part in enumerate(parts):
+            if part[0].method == "online":  # its plan: the leader's pick, told to every stage
+                part = self.online.agree(part, links.replica_comm, self._waiter(loops))
+            size = part[0].batch_size
+            b = min(size, len(part))
+            for loop in self._all_loops():  # between phases (no prompt in flight): its settings, what was learned kept
                 loop.policy = loop.policy.with_config(self.cfg.decode.for_batch(size))
-            queue = None if b == 1 else JobQueue(len(group))
-            slots = [slot(s, group, queue) for s in range(b)]
+            queue = None if b == 1 else JobQueue(len(part))
+            slots = [slot(s, part, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else self._batched(slots)
+            tokens, t0 = self._tokens(), time.perf_counter()
             try:
                 drive(stepper, self.cfg.run.stall_timeout_s, self.bell)
             except StallError as err:
                 raise StallError(f"{err}{self._culprits(links)}") from err
+            self.online.observe(part, self._tokens() - tokens, time.perf_counter() - t0)
             done += stepper.jobs_done
             left += stepper.jobs_left
             if left:  # the replica agreed to stop (the same vote on each of its stages)
-                return done, left + sum(len(later) for later in groups[g + 1 :])
-            if g + 1 < len(groups):  # a phase's timing is its own: the next starts after it
+                return done, left + sum(len(later) for later in parts[g + 1 :])
+            if g + 1 < len(parts):  # a phase's timing is its own: the next starts after it
                 self._barrier(loops, f"phase {g + 1} of replica {self.pl.replica} to end", links.replica_comm)
         return done, left
+
+    def _on(self, route: tuple[int, ...] | None) -> Placement:
+        """This rank's place on ``route`` (None: the whole hierarchy)."""
+        return self.pl if route is None else self.pl.on_route(route)
+
+    def _loops_for(self, route: tuple[int, ...] | None) -> list[StageLoop]:
+        """The loops a job on ``route`` runs on this rank: the route's own where it has links of
+        its own and this stage is on it; else the whole hierarchy's (AR's route, a stage that
+        sits the job out)."""
+        return self.route_loops.get(route, self.route_loops[None])
+
+    def _all_loops(self) -> list[StageLoop]:
+        return [loop for loops in self.route_loops.values() for loop in loops]
+
+    def _waiter(self, loops: list[StageLoop], timeout_s: float | None = None) -> Wait:
+        """``wait(done, what)``: until ``done()``, without spinning, taking in proposals (kept for
+        their prompt) and beating on every slot; a StallError after ``timeout_s``
+        (run.stall_timeout_s by default)."""
+
+        def wait(done: Callable[[], bool], what: str) -> None:
+            def passed() -> bool:
+                for loop in loops:
+                    loop.pump()
+                return done()
+
+            wait_until(passed, timeout_s or self.cfg.run.stall_timeout_s, what)
+
+        return wait
+
+    def _tokens(self) -> int:
+        return self.collector.tokens if self.collector is not None else 0
 
     def _batched(self, slots: list[StageProcess]) -> BatchedStage:
         """A batched stage over ``slots``, each block of its slots' bookkeeping ringing every
@@ -259,17 +320,9 @@ class Runner:
         return done or set()
 
     def _barrier(self, loops: list[StageLoop], what: str, comm=None, timeout_s: float | None = None) -> None:
-        """A barrier of ``comm`` (the world's by default), waited for without spinning, taking in
-        proposals (kept for their prompt) and beating, on every slot; a StallError after
-        ``timeout_s`` (run.stall_timeout_s by default)."""
+        """A barrier of ``comm`` (the world's by default), waited for as ``_waiter`` waits."""
         req = (comm or self.comm).Ibarrier()
-
-        def passed() -> bool:
-            for loop in loops:
-                loop.pump()
-            return req.Test()
-
-        wait_until(passed, timeout_s or self.cfg.run.stall_timeout_s, what)
+        self._waiter(loops, timeout_s)(req.Test, what)
 
     def _culprits(self, links: setup.Links) -> str:
         """Which peers of this replica stopped answering, judged by their heartbeats."""

@@ -30,10 +30,11 @@ from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, b
 from pipespec_mpi.host.placement import CpuPlacement, share_cpus
 from pipespec_mpi.platforms import Platform, current_platform, local_stages
 from pipespec_mpi.run import rows
+from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop
-from pipespec_mpi.stage.ports import StagePorts, StageRole
+from pipespec_mpi.stage.ports import Proposer, Scorer, StagePorts, StageRole
 from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
 from pipespec_mpi.topology import Placement
 
@@ -59,13 +60,27 @@ def resolve_transport(kind: str, platform: Platform, stage_gpus: list[int], stag
     return "nccl" if platform.own_gpus(stage_gpus, stages_here) else "mpi"
 
 
-def place_cpus(hier: HierarchyConfig, stage: int, world: World, mode: str) -> CpuPlacement:
+def place_cpus(
+    hier: HierarchyConfig, stage: int, world: World, mode: str, routes: Sequence[tuple[int, ...]] = ()
+) -> CpuPlacement:
     """This rank's share of its node (``host/placement.py share_cpus``, from every rank's CPU affinity:
-    collective over ``world.comm``; model-free stages count as light), its torch threads set."""
+    collective over ``world.comm``; model-free stages count as light), its torch threads set; and
+    its share on each of ``routes`` it decodes on, among the stages of the route alone."""
     affinities = [frozenset(a) for a in world.comm.allgather(sorted(os.sched_getaffinity(0)))]
     threads = hier.stages[stage].threads
-    share = share_cpus(world.rank, world.hosts, affinities, hier.n_stages, threads, hier.model_free)
-    return CpuPlacement(share, mode)
+    k = hier.n_stages
+    share = share_cpus(world.rank, world.hosts, affinities, k, threads, hier.model_free)
+    on_route = {}
+    for route in routes:
+        if stage not in route:
+            continue
+        ranks = [r for r in range(world.size) if r % k in route]  # replica-major, as on the hierarchy
+        light = frozenset(i for i, s in enumerate(route) if s in hier.model_free)
+        on_route[tuple(route)] = share_cpus(
+            ranks.index(world.rank), [world.hosts[r] for r in ranks], [affinities[r] for r in ranks],
+            len(route), threads, light,
+        )  # fmt: skip
+    return CpuPlacement(share, mode, on_route)
 
 
 @dataclass
@@ -100,7 +115,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
-    cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind)
+    cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, extra_routes(cfg))
     platform = current_platform()
     stage_gpus = [s.n_gpus for s in cfg.hierarchy.stages]
     here = local_stages(world.hosts, world.rank, cfg.hierarchy.n_stages)
@@ -246,14 +261,16 @@ class Links:
 
 
 def connect(
-    cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: int = 0, first: Links | None = None,
+    cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, slot: int = 0, pairs: dict | None = None,
     slots: int = 1,
 ) -> Links:  # fmt: skip
     """Proposal channels (with the distributions when Leviathan sampling), the epochs window
-    (``open_window``), communicators: those of one slot of ``slots`` (batched decoding: each has
-    its own; collective, so every rank connects its slots in order). The slots' links: tagged
-    apart on mpi and gloo; on nccl and strict, ports on slot 0's (``first``) one link per pair
-    (comm/mux.py)."""
+    (``open_window``), communicators: those of lane ``slot`` of ``slots`` lanes (batched
+    decoding's slots, on each route a job may decode on: each has its own; collective, so every
+    rank connects its lanes in the same order), between ``pl``'s neighbours on its route (one
+    route decodes at a time: a pair's link carries one route's ``slots`` at once). The
+    lanes' links: tagged apart on mpi and gloo; on nccl and strict, ports on one link per pair,
+    opened by the first lane that needs it and kept in ``pairs`` for the others (comm/mux.py)."""
     MPI = mpi()
     comm = world.comm
     device = None
@@ -282,23 +299,25 @@ def connect(
             if pl.upstream is not None
             else None
         )
-    elif first is None:
+    else:
+        pairs = {} if pairs is None else pairs
         link_comm = loaded.p2p if loaded.transport == "strict" else comm
+        # one route decodes at a time: a pair's link carries at most one route's slots at once
         chan = dict(depth=t.depth * slots, max_msg_tokens=width, device=device, dist_width=dist_width)
         sender = receiver = None
-        if (
-            pl.downstream is not None
-        ):  # opened first: the pairs' first operations chain up from the last stage
-            link = open_sender(loaded.transport, link_comm, LinkSpec(pl.downstream, **chan))
-            link.hello(lambda c, w: wait_until(c, cfg.run.stall_timeout_s, w))
-            sender = SlotSender(link, slot)
+        if pl.downstream is not None:  # opened first: the pairs' first operations chain up from the last stage
+            key = ("to", pl.downstream)
+            owner = key not in pairs
+            if owner:
+                pairs[key] = open_sender(loaded.transport, link_comm, LinkSpec(pl.downstream, **chan))
+                pairs[key].hello(lambda c, w: wait_until(c, cfg.run.stall_timeout_s, w))
+            sender = SlotSender(pairs[key], slot, owner)
         if pl.upstream is not None:
-            receiver = SlotReceiver(
-                Demux(open_receiver(loaded.transport, link_comm, LinkSpec(pl.upstream, **chan))), slot
-            )
-    else:
-        sender = None if first.sender is None else SlotSender(first.sender.link, slot)
-        receiver = None if first.receiver is None else SlotReceiver(first.receiver.demux, slot)
+            key = ("from", pl.upstream)
+            owner = key not in pairs
+            if owner:
+                pairs[key] = Demux(open_receiver(loaded.transport, link_comm, LinkSpec(pl.upstream, **chan)))
+            receiver = SlotReceiver(pairs[key], slot, owner)
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     window = open_window(cfg.run.epochs_window, comm, node_comm, world, pl, max_tokens)
@@ -375,14 +394,18 @@ def patient_at_collectives(bell: Doorbell | None, pl: Placement) -> bool:
 
 
 def stage_loop(
-    cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0, bell: Doorbell | None = None
-) -> StageLoop:
+    cfg: AppConfig, pl: Placement, loaded: Loaded, links: Links, slot: int = 0, bell: Doorbell | None = None,
+    model: Scorer | Proposer | None = None,
+) -> StageLoop:  # fmt: skip
     """This rank's stage loop over its model, window and channels, on the node's clock; slot
-    s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``). With a
-    ``bell``, its publishes ring both neighbours and its proposals the downstream."""
-    free = pl.stage > 0 and cfg.hierarchy.stages[pl.stage - 1].kind in DRAFTER_KINDS
+    s > 0 of batched decoding gets its own sequence on the same weights (``for_slot``), or
+    ``model``'s (a route's loop shares the slot's sequence: one route decodes at a time). With
+    a ``bell``, its publishes ring both neighbours and its proposals the downstream."""
+    up = pl.upstream_stage
+    free = up is not None and cfg.hierarchy.stages[up].kind in DRAFTER_KINDS
     role = StageRole(pl.stage, pl.n_stages, pl.world_rank, pl.upstream, pl.downstream, upstream_free=free)
-    model = loaded.model.for_slot() if slot else loaded.model
+    if model is None:
+        model = loaded.model.for_slot() if slot else loaded.model
     window, sender = links.window, links.sender
     if bell is not None:
         window = RingingWindow(window, bell, pl.neighbours)

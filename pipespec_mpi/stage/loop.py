@@ -118,15 +118,17 @@ class StageLoop:
         verifier: Verifier,
         max_new_tokens: int | None = None,
         store_key: str | None = None,
+        idle: bool = False,
     ) -> None:
         """Start decoding ``prompt`` (after ``reset``): prefill, then ``step()``. ``max_new_tokens``:
         this prompt's budget, at most the configured one (the window and buffers are sized by it);
-        ``store_key``: a drafter's job store for this sequence (default: the method's)."""
+        ``store_key``: a drafter's job store for this sequence (default: the method's); ``idle``:
+        this stage sits the prompt out (a route without it: run/online.py)."""
         self.prompt, self.method, self.verifier = list(prompt), method, verifier
         self.limit = min(max_new_tokens or self.cfg.max_new_tokens, self.cfg.max_new_tokens)
         t0 = self.clock.now()
         self.trace.start(t0)
-        if method == "ar" and not self.role.is_last:  # AR: the last model alone; the others idle
+        if idle or (method == "ar" and not self.role.is_last):  # AR: the last model alone; the others idle
             self.finish_reason = "idle"
             return
         # the sequence reaches prompt + max_new_tokens, plus a proposal under verification

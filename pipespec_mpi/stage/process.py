@@ -31,6 +31,9 @@ class Job(Protocol):
     max_new_tokens: int | None  # the prompt's own budget (None: the stage's decode.max_new_tokens)
     store_key: str  # the drafter's job store it drafts from and joins (models/suffix.py)
 
+    def runs_on(self, stage: int) -> bool:
+        """Whether ``stage`` decodes it (a route's job: the others sit it out)."""
+
 
 class Gate(Protocol):
     def open(self, seq: int) -> None:
@@ -147,8 +150,9 @@ class StageProcess:
                 self.on_start(self.job)
             job = self.job
             self.loop.begin(
-                job.prompt_ids, job.method, self.verifier_for(job), job.max_new_tokens, job.store_key
-            )
+                job.prompt_ids, job.method, self.verifier_for(job), job.max_new_tokens, job.store_key,
+                idle=not job.runs_on(self.loop.role.stage),
+            )  # fmt: skip
             self.phase = "decode"
             return Step.PROGRESS
         if self.phase == "decode":

@@ -232,6 +232,9 @@ class ExJob:
     def store_key(self) -> str:
         return self.method
 
+    def runs_on(self, stage: int) -> bool:
+        return True  # every stage decodes (an AR job's others idle by its method)
+
 
 @dataclass(frozen=True)
 class Parts:
