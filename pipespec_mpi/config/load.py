@@ -18,8 +18,8 @@ from pipespec_mpi.config.schema import (
     DecodeConfig,
 )
 from pipespec_mpi.config.shapes import SHAPES
-from pipespec_mpi.topology import parse_route, route_name, routes
 from pipespec_mpi.data.config import problems as dataset_problems
+from pipespec_mpi.topology import parse_route, route_name, routes
 
 
 def register() -> None:

@@ -96,7 +96,9 @@ class CpuPlacement:
     binds (``host/placement.py binds``), else the CPUs it was launched with; a last stage computing alone
     (AR) takes ``share.solo`` threads, unbound."""
 
-    def __init__(self, share: CpuShare, mode: str, routes: dict[tuple[int, ...], CpuShare] | None = None) -> None:
+    def __init__(
+        self, share: CpuShare, mode: str, routes: dict[tuple[int, ...], CpuShare] | None = None
+    ) -> None:
         import torch
 
         self.share, self.mode = share, mode

@@ -278,7 +278,9 @@ class Collector:
             last = rec.stages[-1]
             acc = last.tokens_accepted / last.verifications if last.verifications else 0
             self.bar.set_postfix(
-                method=job.plan or job.method, tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}", accepted=f"{acc:.2f}"
+                method=job.plan or job.method,
+                tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}",
+                accepted=f"{acc:.2f}",
             )
 
     def skipped(self, n: int) -> None:

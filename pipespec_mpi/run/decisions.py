@@ -76,7 +76,9 @@ class OnlineDecisions:
         req = comm.Ibcast(buf, root=leader)
         wait(req.Test, f"the plan of job {part[0].seq}")
         arm = self.choices[int(buf[0])]
-        return [replace(job, method=arm.method, route=arm.route, plan=arm.name, plan_note=note) for job in part]
+        return [
+            replace(job, method=arm.method, route=arm.route, plan=arm.name, plan_note=note) for job in part
+        ]
 
     def observe(self, part: list[Job], tokens: int, seconds: float) -> None:
         """The leader: what the plan just run measured (``tokens`` in ``seconds``, start to handoff)."""
@@ -120,7 +122,9 @@ class OnlineDecisions:
 def describe(summary: dict) -> str:
     """One line: the plan it ended on, prompts per plan, each plan's estimate, the switches."""
     runs = ", ".join(f"{name} {n}" for name, n in summary["runs"].items() if n)
-    est = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(summary["ms_per_token"].items(), key=lambda x: x[1]))
+    est = ", ".join(
+        f"{name} {ms:.2f}" for name, ms in sorted(summary["ms_per_token"].items(), key=lambda x: x[1])
+    )
     switches = len(summary["switches"])
     return (
         f"ended on {summary['current']}; prompts per plan: {runs}; measured ms/token: {est}; "

@@ -58,7 +58,9 @@ class OnlinePlan:
     """A bandit over ``arms`` by measured ms per token (module docstring). ``prior``: an earlier
     job's estimates by arm name (ms per token), each counted as one measurement."""
 
-    def __init__(self, arms: Sequence[Arm], cfg: OnlineConfig, prior: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, arms: Sequence[Arm], cfg: OnlineConfig, prior: Mapping[str, float] | None = None
+    ) -> None:
         if not arms:
             raise ValueError("the online plan needs at least one plan")
         self.cfg = cfg

@@ -35,13 +35,12 @@ from pipespec_mpi.run.collect import (
     part_path,
     progress_bar,
 )
+from pipespec_mpi.run.decisions import OnlineDecisions, PlanMemory, Wait
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
 from pipespec_mpi.run.drive import drive
 from pipespec_mpi.run.faults import maybe_fail
 from pipespec_mpi.run.finalize import finalize
 from pipespec_mpi.run.gpu_monitor import GpuMonitor
-from pipespec_mpi.run.decisions import OnlineDecisions, PlanMemory, Wait
-from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.jobs import (
     Job,
     JobKey,
@@ -52,6 +51,7 @@ from pipespec_mpi.run.jobs import (
     plan_jobs,
     sampler_for,
 )
+from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.setup import PerfClock
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.speculative.verifiers import make_verifier
@@ -248,7 +248,9 @@ class Runner:
                 part = self.online.agree(part, links.replica_comm, self._waiter(loops))
             size = part[0].batch_size
             b = min(size, len(part))
-            for loop in self._all_loops():  # between phases (no prompt in flight): its settings, what was learned kept
+            for loop in (
+                self._all_loops()
+            ):  # between phases (no prompt in flight): its settings, what was learned kept
                 loop.policy = loop.policy.with_config(self.cfg.decode.for_batch(size))
             queue = None if b == 1 else JobQueue(len(part))
             slots = [slot(s, part, queue) for s in range(b)]

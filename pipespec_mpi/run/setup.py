@@ -305,7 +305,9 @@ def connect(
         # one route decodes at a time: a pair's link carries at most one route's slots at once
         chan = dict(depth=t.depth * slots, max_msg_tokens=width, device=device, dist_width=dist_width)
         sender = receiver = None
-        if pl.downstream is not None:  # opened first: the pairs' first operations chain up from the last stage
+        if (
+            pl.downstream is not None
+        ):  # opened first: the pairs' first operations chain up from the last stage
             key = ("to", pl.downstream)
             owner = key not in pairs
             if owner:
