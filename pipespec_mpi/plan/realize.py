@@ -12,6 +12,8 @@ from dataclasses import replace
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, HierarchyConfig, StageConfig
 from pipespec_mpi.plan.options import Option, Plan
 from pipespec_mpi.plan.sources import PlanInputs, hierarchy_presets, stage_defs_of
+from pipespec_mpi.run.jobs import job_methods
+from pipespec_mpi.topology import route_name
 
 
 def select_stages(stages: Sequence[StageConfig], names: Sequence[str]) -> list[StageConfig]:
@@ -31,26 +33,64 @@ def select_stages(stages: Sequence[StageConfig], names: Sequence[str]) -> list[S
     return out
 
 
+def is_route(route: Sequence[str], pipeline: Sequence[str]) -> bool:
+    """``route`` is a sub-pipeline of ``pipeline`` ending with its last stage (in its order)."""
+    rest = iter(pipeline)
+    return bool(route) and route[-1] == pipeline[-1] and all(name in rest for name in route)
+
+
+def online_pipeline(plan: Plan) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """For ``method=online``: the longest pipeline planned whose routes hold the fastest predicted
+    option (AR's included: every pipeline has it), and its routes of more than one stage, the
+    fastest predicted first (the order the online plan measures them in)."""
+    batch1 = [o for o in plan.options if o.batch_size == 1]
+    longest = max(len(o.pipeline) for o in batch1)
+    pipelines = dict.fromkeys(o.pipeline for o in batch1 if len(o.pipeline) == longest)
+
+    spec = [o for o in batch1 if o.method != "ar"]
+
+    def fastest(options: list[Option], p: tuple[str, ...]) -> float:
+        return min((o.ms_per_token for o in options if is_route(o.pipeline, p)), default=float("inf"))
+
+    # the fastest option on its routes, then the fastest speculative one
+    pipeline = min(pipelines, key=lambda p: (fastest(batch1, p), fastest(spec, p)))
+    ranked = sorted(spec, key=lambda o: o.ms_per_token)
+    routes = dict.fromkeys(o.pipeline for o in ranked if is_route(o.pipeline, pipeline))
+    return pipeline, list(routes)
+
+
 def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     """The config that runs the plan: its stages (copies re-pointed, threads set unless the
     launcher binds ranks), its method and window. In ``run.mode=benchmark`` the hierarchy is the
-    best speculative option's, so that every method of the comparison can run on it."""
+    best speculative option's, so that every method of the comparison can run on it. Where the
+    job's method is online (run/online.py), the pipeline is ``online_pipeline``'s and its routes,
+    in predicted order, are the online plan's (every rank's threads chosen route by route)."""
     opt = plan.chosen
     if cfg.run.mode == "benchmark" and plan.best_speculative is not None:
         opt = plan.best_speculative
+    online = "online" in job_methods(cfg) and plan.best_speculative is not None
+    pipeline = opt.pipeline
+    if online:
+        opt = plan.best_speculative
+        pipeline, routes = online_pipeline(plan)
+        index = {name: i for i, name in enumerate(pipeline)}
+        cfg = replace(cfg, online=replace(cfg.online, routes=tuple(
+            route_name(tuple(index[n] for n in r)) for r in routes)))  # fmt: skip
     h = cfg.hierarchy
-    chosen = select_stages(h.stages, opt.pipeline)
-    threads = None if bound else plan.threads.get(sum(st.kind not in DRAFTER_KINDS for st in chosen))
+    chosen = select_stages(h.stages, pipeline)
+    threads = (
+        None if bound or online else plan.threads.get(sum(st.kind not in DRAFTER_KINDS for st in chosen))
+    )
     stages = [
         replace(st, threads=st.threads or (None if st.kind in DRAFTER_KINDS else threads)) for st in chosen
     ]
     hier = HierarchyConfig(
-        name=f"{h.name}[{'+'.join(opt.pipeline)}]", stages=tuple(stages), tokenizer=h.tokenizer,
+        name=f"{h.name}[{'+'.join(pipeline)}]", stages=tuple(stages), tokenizer=h.tokenizer,
         tiny=h.tiny, choose=False,
     )  # fmt: skip
     decode = replace(opt.setting, batch_size=1).decode(cfg.decode)
-    method = plan.chosen.method if cfg.run.mode == "single" else cfg.method
-    if cfg.run.mode == "single":
+    method = plan.chosen.method if cfg.run.mode == "single" and not online else cfg.method
+    if cfg.run.mode == "single" and not online:
         decode = replace(decode, batch_size=plan.chosen.batch_size)
     run = cfg.run
     if len(stages) == 1:  # the target alone: nothing but AR can run on it

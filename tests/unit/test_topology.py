@@ -145,3 +145,24 @@ def test_a_stage_s_peers_are_the_other_stages_of_its_replica():
     assert place(1, 6, 3).peers == [0, 2]
     assert place(3, 6, 3).peers == [4, 5]  # replica 1's first stage
     assert place(0, 1, 1).peers == []
+
+
+def test_a_rank_on_a_route_has_the_routes_neighbours():
+    from pipespec_mpi.topology import place
+
+    # replica 1 of a 3-stage hierarchy on 6 ranks, decoding on stages 0 and 2
+    first, middle, last = (place(r, 6, 3).on_route((0, 2)) for r in (3, 4, 5))
+    assert (first.upstream, first.downstream) == (None, 5)
+    assert (last.upstream, last.downstream, last.upstream_stage) == (3, None, 0)
+    assert not middle.member and middle.neighbours == []
+    assert last.is_last and last.leader == 5  # the replica's leader whatever the route
+    whole = place(4, 6, 3)
+    assert whole.on_route((0, 1, 2)) == whole and (whole.upstream, whole.downstream) == (3, 5)
+
+
+def test_routes_end_with_the_last_stage_a_model_free_one_first():
+    from pipespec_mpi.topology import parse_route, route_name, routes
+
+    assert routes(3) == [(0, 1, 2), (0, 2), (1, 2), (2,)]
+    assert routes(3, frozenset({1})) == [(0, 2), (1, 2), (2,)]
+    assert all(parse_route(route_name(r)) == r for r in routes(4))

@@ -13,6 +13,7 @@ from pipespec_mpi.config import (
     DecodeConfig,
     DeviceConfig,
     HierarchyConfig,
+    OnlineConfig,
     RunConfig,
     SamplingConfig,
     StageConfig,
@@ -27,7 +28,7 @@ from pipespec_mpi.stage.stats import StageStats
 
 CONFIG_CLASSES = {
     AppConfig, HierarchyConfig, StageConfig, TokenizerConfig, TinyBaseConfig, DatasetConfig,
-    DecodeConfig, TransportConfig, RunConfig, SamplingConfig, AutoConfig, DeviceConfig,
+    DecodeConfig, TransportConfig, RunConfig, SamplingConfig, AutoConfig, OnlineConfig, DeviceConfig,
 }  # fmt: skip
 
 

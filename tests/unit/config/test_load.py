@@ -24,7 +24,7 @@ from pipespec_mpi.data.config import DatasetConfig
 def test_the_composed_default_is_the_dataclass_defaults():
     c = compose_config()
     defaults = {f.name: f.default for f in fields(AppConfig) if f.name not in ("hierarchy",)}
-    assert c.method == defaults["method"] == "pipespec"
+    assert c.method == defaults["method"] == "online"
     assert c.decode == DecodeConfig()
     # conf/dataset/humaneval.yaml names the dataset, its benchmark sample (4 prompts, shuffled) and
     # how a long prompt is cut
@@ -83,7 +83,7 @@ def test_choices_of_a_config_built_in_python_are_named_at_once():
     assert validate(c) == [
         "hierarchy.stages[0].dtype='fp8': must be one of float32, float64, float16, bfloat16",
         "transport.kind='carrier_pigeon': must be one of auto, mpi, gloo, nccl, strict",
-        "run.methods='beam': must be one of ar, sd, pipespec",
+        "run.methods='beam': must be one of ar, sd, pipespec, online",
         "run.cpu_bind='numa': must be one of auto, always, none",
     ]
     # the values are the enumerations' members, equal to their names as strings

@@ -123,7 +123,9 @@ def test_a_prompts_own_budget_is_kept_by_every_stage(monkeypatch, family, seed, 
     assert Scenario.draw(family, seed).budgets and explore(family, seed).ok
     begin = StageLoop.begin
     monkeypatch.setattr(
-        StageLoop, "begin", lambda self, p, m, v, max_new_tokens=None, store_key=None: begin(self, p, m, v)
+        StageLoop,
+        "begin",
+        lambda self, p, m, v, max_new_tokens=None, store_key=None, idle=False: begin(self, p, m, v),
     )
     assert explore(family, seed).verdict == verdict
 
