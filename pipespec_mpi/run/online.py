@@ -95,7 +95,8 @@ class OnlinePlan:
         fresh = [a for a in self.arms if self.tries[a] < self.cfg.explore]
         if fresh:
             done = len(self.arms) - len(fresh)
-            return self._run(Pick(fresh[0], f"exploring: {done} of {len(self.arms)} plans measured"))
+            arm = min(fresh, key=lambda a: self.tries[a])  # in turn: A B C A B C
+            return self._run(Pick(arm, f"exploring: {done} of {len(self.arms)} plans measured"))
         best = min(self.arms, key=self._cost)
         cur = self.current
         if cur is None:

@@ -14,8 +14,8 @@ from conftest import launch_ok, outputs
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
-# every pick after the exploration a re-check: the plan changes prompt by prompt
-SWITCHING = ["online.recheck_every=1", "online.margin=0"]
+# an exploration longer than the job: the plans take turns prompt by prompt, whatever the timings
+SWITCHING = ["online.explore=100"]
 
 
 def base(tmp_path: Path, *extra: str) -> list[str]:
@@ -34,7 +34,7 @@ def test_switching_plans_commits_ars_tokens(tmp_path, transport):
     online = [r for r in recs if r.method == "online" and not r.warmup]
     plans = [r.decoded_by for r in online]
     assert set(plans) == {"pipespec 0-1-2", "pipespec 0-2", "pipespec 1-2", "ar"}
-    assert sum(a != b for a, b in zip(plans, plans[1:])) >= 5  # switched prompt by prompt
+    assert all(a != b for a, b in zip(plans, plans[1:]))  # switched prompt by prompt
     for r in online:
         assert r.plan_note
         route = [int(s) for s in r.decoded_by.split()[-1].split("-")] if r.decoded_by != "ar" else [2]
@@ -51,7 +51,7 @@ def test_batched_chunks_switch_plans_and_commit_ars_tokens(tmp_path):
     by = outputs(recs)
     assert by[("online", 3)] == by[("ar", 3)]
     plans = {r.decoded_by for r in recs if r.method == "online"}
-    assert len(plans) >= 3
+    assert plans == {"pipespec 0-1-2", "pipespec 0-2", "pipespec 1-2", "ar"}
 
 
 def test_a_leviathan_sample_stays_on_the_whole_hierarchy(tmp_path):

@@ -103,3 +103,8 @@ def test_a_model_free_stage_heads_every_route_it_is_on():
     assert [a.route for a in got] == [(0, 1, 2), (0, 2), (1, 2), (2,)]
     got = arms(OnlineConfig(), 4, frozenset({0}))
     assert all(0 not in a.route[1:] for a in got)
+
+
+def test_a_longer_exploration_takes_the_plans_in_turn():
+    plan = OnlinePlan(ARMS, OnlineConfig(explore=2))
+    assert run(plan, {FULL: 12.0, SKIP: 8.0, AR: 10.0}, 6) == ARMS + ARMS
