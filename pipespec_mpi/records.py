@@ -103,6 +103,12 @@ class Record:
     models: list[str]
     stages: list[StageStats]
 
+    def pairs(self) -> list[tuple[int, int]]:
+        """(proposer, verifier) of each stage that verified proposals in this job: adjacent stages,
+        or on its ``route`` the route's neighbours ("0->2" where stage 1 sat the job out)."""
+        stages = self.route if self.route is not None else list(range(len(self.stages)))
+        return list(zip(stages, stages[1:]))
+
     def to_json(self) -> dict:
         """The record as a JSON object (what one line of results.jsonl holds): equal to
         ``dataclasses.asdict(self)``, without its deep copy (``_plain``)."""

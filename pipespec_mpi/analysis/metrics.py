@@ -172,7 +172,6 @@ class _StageTotals:
         self.waits_chosen = self.waits_joined = self.verify_cut = self.drafts_held = 0
         self.discarded_s = array("d")  # per record, summed by sum() at the end (``_Group``)
         self.compute_s = array("d")  # busy + prefill, per record, likewise
-        self.trace: Counter[tuple[int, int]] = Counter()  # its verify_trace's pairs, counted
         self.peak_rss_mb: float | None = None
         self.drafter: dict[str, dict[str, float]] = {}  # ``_add_drafter``
         self.cpu = _CpuSpans()
@@ -192,7 +191,6 @@ class _StageTotals:
         self.tokens_generated += st.tokens_generated
         self.discarded_s.append(st.discarded_s)
         self.compute_s.append(st.busy_s + st.prefill_s)
-        self.trace.update((n, a) for n, a in st.verify_trace)
         rss = st.peak_rss_mb
         self.peak_rss_mb = rss if self.peak_rss_mb is None else max(self.peak_rss_mb, rss)
         _add_drafter(self.drafter, st.drafter)
@@ -245,6 +243,7 @@ class _Group:
         self.sequence_ms = array("d")  # of the records that generated tokens
         self.token_latencies = array("d")
         self.stages = [_StageTotals(st.model) for st in first.stages]
+        self.pairs: dict[tuple[int, int], Counter[tuple[int, int]]] = {}  # (proposer, verifier) -> trace
         self.energy_j: dict[tuple[int, int], float] = {}  # per (rank, device)
         self.cores = 0.0  # the most of one record's ranks together (``_cost``)
         self.n_gpus = 0
@@ -260,6 +259,8 @@ class _Group:
         span = (r.replica, r.phase) if r.batch_size != 1 else (r.replica, self.n_prompts)
         for s, totals in enumerate(self.stages):
             totals.add(r.stages[s], span)
+        for up, s in r.pairs():
+            self.pairs.setdefault((up, s), Counter()).update((n, a) for n, a in r.stages[s].verify_trace)
         for st in r.stages:
             for g in st.gpus:
                 key = (st.rank, g["device"])
@@ -269,9 +270,7 @@ class _Group:
 
     def summary(self) -> MethodSummary:
         tokens, wall = self.n_tokens, self.wall.total()
-        pairs = {
-            f"{s - 1}->{s}": acceptance_of_counts(self.stages[s].trace) for s in range(1, len(self.stages))
-        }
+        pairs = {f"{up}->{s}": acceptance_of_counts(trace) for (up, s), trace in sorted(self.pairs.items())}
         return MethodSummary(
             n_prompts=self.n_prompts,
             n_tokens=tokens,

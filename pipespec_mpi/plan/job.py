@@ -10,6 +10,7 @@ hold no model and sleep until the job ends.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,13 +21,15 @@ from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.plan.options import AUTO_GRID, Plan
-from pipespec_mpi.plan.realize import realize
+from pipespec_mpi.plan.realize import online_pipeline, realize
 from pipespec_mpi.plan.record import Machine, PlanRecord, RunsAs, SearchInputs, read_plan, write_plan
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
 from pipespec_mpi.records import SUMMARY, find_entry, group_key, read_summary
+from pipespec_mpi.run.decisions import ONLINE
 from pipespec_mpi.stage.wait import sleep_at_barrier
+from pipespec_mpi.topology import parse_route
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -123,7 +126,8 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     agreement stays: greedy paths do not depend on the node's load), so that the next job
     measures them again. (AR is checked on its own: costs cached beside a busy process can put AR
     far off while the chosen option's own prediction still holds; docs/notebook.md, "Measurements
-    behind the code's choices".)"""
+    behind the code's choices".) Under the online plan, every plan it measured is set beside its
+    prediction (``online_vs_predicted``) and checked too."""
     summary = read_summary(run_dir / SUMMARY)
     chosen, ar_pred = record.plan.chosen, record.plan.ar
     kw: dict = {"measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}
@@ -145,6 +149,11 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     if ar1 and ar1.ms_per_token and chosen != ar_pred:
         kw["ar_measured_vs_predicted"] = round(ar1.ms_per_token / ar_pred.ms_per_token, 3)
         checked.append(("ar", ar1.ms_per_token, ar_pred.ms_per_token))
+    online = run_dir / ONLINE
+    if online.is_file():  # method=online: every plan it measured, against its prediction
+        measured = json.loads(online.read_text()).get("1", {})
+        kw["online_vs_predicted"] = got = online_vs_predicted(record.plan, measured)
+        checked += [(name, v["measured"], v["predicted"]) for name, v in got.items() if v["predicted"]]
     off = [(w, m, p) for w, m, p in checked if not within(m, p, off_factor)]
     if off:
         costs = record.calibration.cache_files.get("costs")
@@ -160,3 +169,17 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     record = dataclasses.replace(record, **kw)
     write_plan(run_dir, record)
     return record
+
+
+def online_vs_predicted(plan: Plan, measured: dict) -> dict[str, dict[str, float | None]]:
+    """Each plan the online plan measured at batch 1 (``online.json``): its measured ms/token
+    beside the offline plan's prediction for its method on its stages (None: not predicted)."""
+    pipeline, _ = online_pipeline(plan)
+    out = {}
+    for name, ms in measured.get("ms_per_token", {}).items():
+        method, _, route = name.partition(" ")
+        stages = (pipeline[-1],) if method == "ar" else tuple(pipeline[i] for i in parse_route(route))
+        predicted = [o.ms_per_token for o in plan.options
+                     if o.method == method and o.pipeline == stages and o.batch_size == 1]  # fmt: skip
+        out[name] = {"measured": ms, "predicted": round(min(predicted), 4) if predicted else None}
+    return out

@@ -83,6 +83,8 @@ class PlanRecord:
     measured_speedup: float | None = None
     prediction_off: str | None = None
     ar_measured_vs_predicted: float | None = None  # AR at batch 1, where the run decoded it
+    # method=online: each plan it measured (its name, run/online.py), measured and predicted ms/token
+    online_vs_predicted: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {**self.plan.to_json(), **asdict(self.calibration), "candidates": self.candidates,
@@ -91,6 +93,8 @@ class PlanRecord:
                "inputs": self.inputs.to_json() if self.inputs else None}  # fmt: skip
         if self.measured_ms_per_token:
             out["measured_ms_per_token"] = self.measured_ms_per_token
+        if self.online_vs_predicted:
+            out["online_vs_predicted"] = self.online_vs_predicted
         for k in ("measured_vs_predicted", "measured_speedup", "prediction_off", "ar_measured_vs_predicted"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
@@ -123,6 +127,7 @@ class PlanRecord:
             measured_vs_predicted=node.get("measured_vs_predicted"),
             measured_speedup=node.get("measured_speedup"), prediction_off=node.get("prediction_off"),
             ar_measured_vs_predicted=node.get("ar_measured_vs_predicted"),
+            online_vs_predicted=node.get("online_vs_predicted", {}),
         )  # fmt: skip
 
 

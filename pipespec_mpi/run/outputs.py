@@ -29,11 +29,12 @@ FINISH = {"eos": "stop", "length": "length"}  # our finish_reason -> OpenAI's
 
 
 def _accepted_per_verification(r: Record) -> dict[str, float]:
-    """Mean tokens accepted per verification at each stage pair ("0->1": stage 1's verifications)."""
+    """Mean tokens accepted per verification at each stage pair ("0->1": stage 1's verifications
+    of stage 0's proposals)."""
     return {
-        f"{i - 1}->{i}": round(s.tokens_accepted / s.verifications, 3)
-        for i, s in enumerate(r.stages)
-        if i > 0 and s.verifications
+        f"{up}->{i}": round(r.stages[i].tokens_accepted / r.stages[i].verifications, 3)
+        for up, i in r.pairs()
+        if r.stages[i].verifications
     }
 
 

@@ -57,7 +57,7 @@ from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.speculative.verifiers import make_verifier
 from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
-from pipespec_mpi.stage.loop import StageLoop
+from pipespec_mpi.stage.loop import StageLoop, Step
 from pipespec_mpi.stage.process import StageProcess
 from pipespec_mpi.stage.wait import StallError, wait_until
 from pipespec_mpi.topology import Placement, place
@@ -71,12 +71,38 @@ log = logging.getLogger("pipespec_mpi")
 FINALIZE_WAIT_S = 3600.0
 
 
+class Collective:
+    """A replica collective as a steppable (``drive`` waits for it): DONE once ``done()``, the
+    loops taking in proposals and beating meanwhile; ``patient`` where every other stage of the
+    replica rings this rank as it joins."""
+
+    recheck_at = None
+
+    def __init__(self, done: Callable[[], bool], loops: list[StageLoop], what: str, patient: bool) -> None:
+        self.done, self.loops, self.what, self._patient = done, loops, what, patient
+
+    def step(self) -> Step:
+        for loop in self.loops:
+            loop.pump()
+        return Step.DONE if self.done() else Step.WAITING
+
+    def rung(self) -> bool:
+        return False
+
+    def patient(self) -> bool:
+        return self._patient
+
+    def describe(self) -> str:
+        return f"waiting for {self.what}"
+
+
 class Runner:
     def __init__(self, cfg: AppConfig, run_dir: Path, world: World, memory: PlanMemory | None = None) -> None:
         self.cfg, self.run_dir, self.world = cfg, run_dir, world
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
         self.bell: Doorbell | None = None  # set up with the links (host/doorbell.py)
+        self.patient = False  # every other stage of the replica rings this rank at collectives
         self.memory = memory  # what the online plan starts from and leaves for the next job
         self.collector: Collector | None = None
 
@@ -106,7 +132,7 @@ class Runner:
                 for i, route in enumerate(routes)
             }
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
-        patient = setup.patient_at_collectives(self.bell, pl)
+        patient = self.patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
         slot_links = lanes[None]
         loops = [
@@ -245,7 +271,7 @@ class Runner:
         done = left = 0
         for g, part in enumerate(parts):
             if part[0].method == "online":  # its plan: the leader's pick, told to every stage
-                part = self.online.agree(part, links.replica_comm, self._waiter(loops))
+                part = self.online.agree(part, links.replica_comm, self._replica_wait(loops))
             size = part[0].batch_size
             b = min(size, len(part))
             for loop in (
@@ -266,7 +292,8 @@ class Runner:
             if left:  # the replica agreed to stop (the same vote on each of its stages)
                 return done, left + sum(len(later) for later in parts[g + 1 :])
             if g + 1 < len(parts):  # a phase's timing is its own: the next starts after it
-                self._barrier(loops, f"phase {g + 1} of replica {self.pl.replica} to end", links.replica_comm)
+                req = links.replica_comm.Ibarrier()
+                self._replica_wait(loops)(req.Test, f"phase {g + 1} of replica {self.pl.replica} to end")
         return done, left
 
     def _on(self, route: tuple[int, ...] | None) -> Placement:
@@ -320,6 +347,22 @@ class Runner:
             err.collective = True
             raise err
         return done or set()
+
+    def _replica_wait(self, loops: list[StageLoop]) -> Wait:
+        """``wait(done, what)`` for a collective of the replica this rank just joined: it rings
+        the replica's other stages, and sleeps until they ring as they join (``drive``'s patient
+        wait, host/doorbell.py), taking in proposals and beating meanwhile. A stage that sits a
+        prompt out waits here through the prompt: polled every millisecond, it took CPU from the
+        stages on the route (docs/notebook.md, "The online plan")."""
+
+        def wait(done: Callable[[], bool], what: str) -> None:
+            if self.bell is not None:
+                for r in self.pl.peers:
+                    self.bell.ring(r)
+            collective = Collective(done, loops, what, self.patient)
+            drive(collective, self.cfg.run.stall_timeout_s, self.bell)
+
+        return wait
 
     def _barrier(self, loops: list[StageLoop], what: str, comm=None, timeout_s: float | None = None) -> None:
         """A barrier of ``comm`` (the world's by default), waited for as ``_waiter`` waits."""

@@ -20,7 +20,7 @@ from pipespec_mpi.auto.measured import (
 )
 from pipespec_mpi.config import DecodeConfig, StageConfig, compose_config
 from pipespec_mpi.host.placement import CpuShare
-from pipespec_mpi.plan.options import AUTO_GRID
+from pipespec_mpi.plan.options import AUTO_GRID, Option, Plan
 from pipespec_mpi.plan.realize import realize
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
@@ -155,7 +155,7 @@ def test_the_margin_decides_a_close_call():
 
 
 def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
-    cfg = compose_config(["hierarchy=auto"])
+    cfg = compose_config(["hierarchy=auto", "method=pipespec"])
     m = Measured(
         stages=tuple(s.name for s in cfg.hierarchy.stages),
         kinds=tuple(s.kind for s in cfg.hierarchy.stages),
@@ -178,6 +178,32 @@ def test_realize_runs_the_chosen_stages_with_copies_repointed_and_threads_set():
     suffix = replace(plan.chosen, pipeline=("suffix", "smollm2-135m"))
     run = realize(cfg, replace(plan, chosen=suffix, best_speculative=suffix), bound=False)
     assert [(s.name, s.threads) for s in run.hierarchy.stages] == [("suffix", None), ("smollm2-135m", 2)]
+
+
+def test_realize_for_the_online_plan_runs_the_longest_pipeline_holding_the_fastest_routes():
+    """method=online: of the three-stage pipelines, the one whose routes hold the fastest predicted
+    option; its routes in predicted order; no thread counts (each route shares the node its own
+    way); the method stays online."""
+    cfg = compose_config(["hierarchy=auto"])
+    names = [s.name for s in cfg.hierarchy.stages]  # lookup, suffix, int8, w8, target
+    target = names[-1]
+
+    def opt(method: str, pipeline: tuple[str, ...], ms: float) -> Option:
+        return Option(method, pipeline, 1, ms, 20.0 / ms)
+
+    options = (
+        opt("pipespec", ("suffix", target), 14.0),
+        opt("pipespec", ("suffix", names[3], target), 18.0),
+        opt("pipespec", (names[0], names[2], target), 16.0),
+        opt("pipespec", (names[3], target), 25.0),
+        opt("ar", (target,), 20.0),
+    )
+    plan = Plan(options[0], options[0], options[-1], 0.05, "", options)
+    run = realize(cfg, plan, bound=False)
+    assert [s.name for s in run.hierarchy.stages] == ["suffix", names[3], target]
+    assert run.online.routes == ("0-2", "0-1-2", "1-2")
+    assert run.method == "online" and all(s.threads is None for s in run.hierarchy.stages)
+    assert run.hierarchy.stages[1].copy_of == 2
 
 
 def test_measurements_round_trip_through_json():
@@ -252,7 +278,7 @@ def test_batch_sizes_pick_the_highest_throughput_and_fall_back_to_batched_ar():
     steep.costs[(0, 1)] = (steep.costs[(0, 1)][0], StageCost(((1, 0.044), (16, 0.044 * 16))))
     plan = predict(steep, DECODE, 3, margin=0.05, seeds=(0,), batch_sizes=(1, 4))
     assert plan.chosen.method == "ar" and plan.chosen == plan.ar and "AR" in plan.reason
-    tiny = compose_config(["hierarchy=tiny"])
+    tiny = compose_config(["hierarchy=tiny", "method=pipespec"])
     names = tuple(st.name for st in tiny.hierarchy.stages[1:])
     batched = replace(plan.best_speculative, pipeline=names, batch_size=4)
     assert realize(tiny, replace(plan, chosen=batched), bound=False).decode.batch_size == 4
