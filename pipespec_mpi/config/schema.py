@@ -404,7 +404,8 @@ class OnlineConfig:
     routes: tuple[str, ...] = ()
     methods: tuple[Method, ...] = (Method.pipespec,)  # the speculative methods tried on each route
     explore: int = 1  # prompts (batched: chunks) each plan decodes before the first choice
-    recheck_every: int = 8  # after that, every n-th prompt re-measures another plan
+    # after that, a plan is re-measured every n prompts, times its gap to the current one in margins
+    recheck_every: int = 8
     margin: float = 0.05  # a plan must measure this much faster than the current one to take over
     window: int = 8  # the newest measurements of a plan its estimate (their median) is taken over
     chunk: int = 2  # batched: a plan decodes chunk * batch_size prompts before the next pick

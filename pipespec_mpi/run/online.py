@@ -6,10 +6,12 @@ A plan (``Arm``) is a method on a route (topology.py ``routes``): AR is the last
 speculative method runs on a sub-pipeline ending with it. The bandit: each plan decodes
 ``explore`` prompts first, in turn (drift hits all alike); then the plan whose median ms per token
 over its newest ``window`` measurements is lowest runs, a challenger taking over only when it
-measures ``margin`` faster (noise within it does not flap); every ``recheck_every``-th prompt
-re-measures a challenger, the least recently measured one within ``GIVE_UP`` of the current
-plan. Measurements remembered from an earlier job count as one each (``prior``). Greedy outputs
-do not depend on the plan, so no timing here changes what is output (docs/online.md).
+measures ``margin`` faster (noise within it does not flap); a challenger is re-measured once
+``recheck_every`` prompts have passed since its last run, times its measured gap to the current
+plan over the margin (a plan 45% slower every 72 prompts at the defaults: each re-check's cost
+stays about margin / recheck_every of the job), never beyond ``GIVE_UP``. Measurements
+remembered from an earlier job count as one each (``prior``). Greedy outputs do not depend on
+the plan, so no timing here changes what is output (docs/online.md).
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ class Arm:
 
 
 def arms(cfg: OnlineConfig, n_stages: int, model_free: frozenset[int]) -> list[Arm]:
-    """The plans the online plan chooses among: ``cfg.methods`` on each of ``cfg.routes`` (all
-    routes of more than one stage if empty), then AR."""
+    """The plans the online plan chooses among: ``cfg.methods`` on each of ``cfg.routes`` (if
+    empty: every route of more than one stage that keeps the model-free stages, which cost next to
+    nothing and whose proposals a verifier takes only where they pay), then AR."""
     last = n_stages - 1
-    chosen = [parse_route(r) for r in cfg.routes] or routes(n_stages, model_free)
+    chosen = [parse_route(r) for r in cfg.routes] or [
+        r for r in routes(n_stages, model_free) if model_free <= set(r)
+    ]
     spec = [Arm(str(m), r) for r in chosen if len(r) > 1 for m in cfg.methods]
     return [*spec, Arm("ar", (last,))]
 
@@ -73,7 +78,6 @@ class OnlinePlan:
                 self.seen[a].append(float(known[a.name]))
         self.remembered = {a.name for a in self.arms if a.name in known}
         self.current: Arm | None = None
-        self.picks = 0  # picks since the exploration ended
         self.last_run: dict[Arm, int] = {a: -1 for a in self.arms}
         self.runs: dict[Arm, int] = {a: 0 for a in self.arms}
         self.tries = {a: int(a.name in known) for a in self.arms}  # runs, a remembered estimate as one
@@ -106,14 +110,22 @@ class OnlinePlan:
             self.switches.append((self.n, cur.name, best.name))
             self.current = cur = best
             return self._run(Pick(cur, f"switched: {self._board()}"))
-        self.picks += 1
-        if self.picks % self.cfg.recheck_every == 0:
-            limit = self._cost(cur) * GIVE_UP
-            challengers = [a for a in self.arms if a != cur and self._cost(a) <= limit]
-            if challengers:
-                stale = min(challengers, key=lambda a: self.last_run[a])
-                return self._run(Pick(stale, f"re-checking against {cur.name}: {self._board()}"))
+        due = [(self._overdue(a, cur), a) for a in self.arms if a != cur]
+        due = [(d, a) for d, a in due if d >= 1.0]
+        if due:
+            stale = max(due, key=lambda x: x[0])[1]
+            return self._run(Pick(stale, f"re-checking against {cur.name}: {self._board()}"))
         return self._run(Pick(cur, f"current: {self._board()}"))
+
+    def _overdue(self, arm: Arm, current: Arm) -> float:
+        """How far past its re-check ``arm`` is (>= 1: due): the picks since it last ran over
+        ``recheck_every`` times its gap to ``current`` in margins (at least one); 0 beyond
+        ``GIVE_UP``."""
+        ratio = self._cost(arm) / self._cost(current)
+        if ratio > GIVE_UP:
+            return 0.0
+        gap = max(1.0, (ratio - 1.0) / max(self.cfg.margin, 0.01))
+        return (self.n - self.last_run[arm]) / (self.cfg.recheck_every * gap)
 
     def observe(self, arm: Arm, tokens: int, seconds: float) -> None:
         """What ``arm`` measured: ``tokens`` committed in ``seconds`` (nothing from an empty run)."""

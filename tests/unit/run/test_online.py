@@ -69,7 +69,7 @@ def test_a_plan_far_slower_is_not_rechecked():
 def test_a_remembered_estimate_counts_as_one_measurement():
     plan = OnlinePlan(ARMS, OnlineConfig(), prior={"pipespec 0-2": 8.0, "ar": 10.0, "pipespec 0-1-2": 12.0})
     ran = run(plan, {FULL: 12.0, SKIP: 8.0, AR: 10.0}, 8)
-    assert ran == [SKIP] * 8  # no exploration; the 8th pick would be a re-check after 8
+    assert ran == [SKIP] * 8  # no exploration; AR, 25% slower, is due for a re-check after 40
     assert plan.summary()["remembered"] == ["ar", "pipespec 0-1-2"]
 
 
@@ -98,11 +98,25 @@ def test_the_arms_are_each_method_on_each_route_then_ar(routes, methods, want):
     assert [a.name for a in got] == want
 
 
-def test_a_model_free_stage_heads_every_route_it_is_on():
+def test_the_default_routes_keep_a_model_free_stage_first():
     got = arms(OnlineConfig(), 3, frozenset({0}))
-    assert [a.route for a in got] == [(0, 1, 2), (0, 2), (1, 2), (2,)]
+    assert [a.route for a in got] == [(0, 1, 2), (0, 2), (2,)]
     got = arms(OnlineConfig(), 4, frozenset({0}))
-    assert all(0 not in a.route[1:] for a in got)
+    assert all(a.route[0] == 0 for a in got[:-1]) and len(got) == 5
+    # named, a route may leave it out
+    assert [a.name for a in arms(OnlineConfig(routes=("1-2",)), 3, frozenset({0}))] == ["pipespec 1-2", "ar"]
+
+
+def test_a_challenger_is_rechecked_as_often_as_its_gap_allows():
+    """Within the margin every recheck_every picks; 45% slower every 72 (its gap in margins times
+    recheck_every): each re-check's cost stays near margin / recheck_every of the job."""
+    close, far = Arm("pipespec", (1, 2)), Arm("pipespec", (0, 1, 2))
+    plan = OnlinePlan([SKIP, close, far, AR], OnlineConfig())
+    ran = run(plan, {SKIP: 10.0, close: 10.3, far: 14.5, AR: 25.0}, 4 + 144)
+    later = ran[4:]
+    assert later.count(close) == pytest.approx(144 / 8, abs=2)
+    assert later.count(far) == pytest.approx(144 / 72, abs=1)
+    assert later.count(AR) == 0  # beyond GIVE_UP
 
 
 def test_a_longer_exploration_takes_the_plans_in_turn():
