@@ -73,6 +73,9 @@ def realize(cfg: AppConfig, plan: Plan, bound: bool) -> AppConfig:
     if online:
         opt = plan.best_speculative
         pipeline, routes = online_pipeline(plan)
+        kinds = {st.name: st.kind for st in cfg.hierarchy.stages}
+        if kinds[pipeline[0]] in DRAFTER_KINDS:  # kept, as run/online.py ``arms`` keeps it by default
+            routes = [r for r in routes if r[0] == pipeline[0]]
         index = {name: i for i, name in enumerate(pipeline)}
         cfg = replace(cfg, online=replace(cfg.online, routes=tuple(
             route_name(tuple(index[n] for n in r)) for r in routes)))  # fmt: skip

@@ -201,7 +201,7 @@ def test_realize_for_the_online_plan_runs_the_longest_pipeline_holding_the_faste
     plan = Plan(options[0], options[0], options[-1], 0.05, "", options)
     run = realize(cfg, plan, bound=False)
     assert [s.name for s in run.hierarchy.stages] == ["suffix", names[3], target]
-    assert run.online.routes == ("0-2", "0-1-2", "1-2")
+    assert run.online.routes == ("0-2", "0-1-2")  # the suffix drafter kept (1-2 drops it)
     assert run.method == "online" and all(s.threads is None for s in run.hierarchy.stages)
     assert run.hierarchy.stages[1].copy_of == 2
 
