@@ -60,12 +60,13 @@ def job(name: str, run_dir: Path, common: list[str], env: dict) -> dict:
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
     entry = next(iter(summary.values()))
-    outs = {}
+    outs, ms = {}, {}
     for line in (run_dir / "results.jsonl").read_text().splitlines():
         r = json.loads(line)
         if not r["warmup"]:
             outs[r["prompt_id"]] = r["output_ids"]
-    row = {"ms_per_token": entry["ms_per_token"], "outputs": outs}
+            ms[r["prompt_id"]] = r["ms_per_token"]
+    row = {"ms_per_token": entry["ms_per_token"], "outputs": outs, "per_prompt": ms}
     online = run_dir / "online.json"
     if online.exists():
         row["online"] = json.loads(online.read_text())
