@@ -11,8 +11,8 @@ same held-out prompts (``dataset.seed``), greedy:
   ar        ``mpirun -n 2 ... hierarchy=smollm2_suffix method=ar`` (the target alone, both cores)
 The online plan's and auto's cache is empty at the first round (``--cache``), so round 1 is a first
 job on the node and later rounds start from what earlier ones measured. Prints each job's ms/token
-(its records' walls over their tokens, summary.json), its ratio to AR and to the best job of its
-round, and checks every job's outputs equal AR's.
+(its records' walls over their tokens, summary.json), its ratio to AR (and the median of the
+prompts' own ratios) and to the best job of its round, and checks every job's outputs equal AR's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,12 +106,13 @@ def main() -> int:
             best = min(r["ms_per_token"] for r in rows.values())
             for name, r in rows.items():
                 same = r["outputs"] == ref
-                line = (
-                    f"{ds} round {rnd} {name:8s} {r['ms_per_token']:7.2f} ms/token"
-                    f"  x AR {rows['ar']['ms_per_token'] / r['ms_per_token']:.2f}"
-                    if "ar" in rows
-                    else ""
-                )
+                line = f"{ds} round {rnd} {name:8s} {r['ms_per_token']:7.2f} ms/token"
+                if "ar" in rows:
+                    ar = rows["ar"]
+                    paired = statistics.median(
+                        ar["per_prompt"][p] / r["per_prompt"][p] for p in r["per_prompt"]
+                    )
+                    line += f"  x AR {ar['ms_per_token'] / r['ms_per_token']:.2f} (per prompt: {paired:.2f})"
                 line += f"  x best {best / r['ms_per_token']:.2f}  outputs {'= AR' if same else 'DIFFER'}"
                 if "online" in r:
                     o = r["online"][str(args.batch)]
