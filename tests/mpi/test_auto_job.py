@@ -13,6 +13,7 @@ from pipespec_mpi.records import Record
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 TINY = ["hierarchy=tiny", "dataset=synthetic", "dataset.n_prompts=3", "decode.max_new_tokens=32"]
+FIXED = "method=pipespec"  # auto's own choice (method, window), run as it is; the default: online
 QUICK = [
     "auto.calibration_prompts=2",
     "auto.calibration_tokens=16",
@@ -39,7 +40,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     # tests/unit/auto/test_calibrate.py)
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     quick = [*QUICK, "auto.off_factor=100"]
-    first = launch_ok(3, [*TINY, "hierarchy.choose=true", *quick, cache], tmp_path / "auto1")
+    first = launch_ok(3, [*TINY, FIXED, "hierarchy.choose=true", *quick, cache], tmp_path / "auto1")
     plan = json.loads((tmp_path / "auto1" / "plan.json").read_text())
     assert plan["from_cache"] == []
     assert plan["chosen"]["method"] in ("ar", "sd", "pipespec")
@@ -49,7 +50,7 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert plan["measured_ms_per_token"][plan["chosen"]["method"]] > 0
     assert "tiny-draft-1L -> tiny-target-4L" in plan["rates"]
 
-    second = launch_ok(3, [*TINY, "hierarchy.choose=true", *quick, cache], tmp_path / "auto2")
+    second = launch_ok(3, [*TINY, FIXED, "hierarchy.choose=true", *quick, cache], tmp_path / "auto2")
     again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
     assert plan["spot_check"] is None
     if (plan["cost_check"] or {}).get("still_off"):  # a busy machine: the first job's timings of the target
@@ -65,10 +66,28 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     assert outputs(second) == ar
 
 
+def test_auto_under_the_online_plan_measures_its_routes_losslessly(tmp_path, ar):
+    """The default method (online): auto runs its three stages, the online plan measures the
+    routes it ordered by prediction, and plan.json sets each measured plan beside its prediction."""
+    cache = f"auto.cache_dir={tmp_path / 'cache'}"
+    recs = launch_ok(
+        3, [*TINY, "hierarchy.choose=true", "auto.off_factor=100", *QUICK, cache], tmp_path / "auto"
+    )
+    plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
+    assert plan["runs"]["method"] == "online" and plan["runs"]["hierarchy"].count("+") == 2
+    assert {r.method for r in recs} == {"online"} and outputs(recs) == ar
+    ran = {r.decoded_by for r in recs}
+    assert len(ran) >= 2  # three prompts, each on another plan while it explores (AR and a route at least)
+    assert set(plan["online_vs_predicted"]) == ran
+    assert all(v["measured"] > 0 and v["predicted"] > 0 for v in plan["online_vs_predicted"].values())
+
+
 @pytest.mark.long
 def test_auto_falls_back_to_ar_and_the_spare_ranks_leave_with_the_job(tmp_path, ar):
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
-    recs = launch_ok(3, [*TINY, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto")
+    recs = launch_ok(
+        3, [*TINY, FIXED, "hierarchy.choose=true", "auto.margin=100", *QUICK, cache], tmp_path / "auto"
+    )
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     assert plan["chosen"]["method"] == "ar" and "margin 100" in plan["reason"]
     assert plan["runs"]["hierarchy"] == "tiny[tiny-target-4L]" and plan["runs"]["methods"] == ["ar"]
@@ -83,7 +102,7 @@ def test_auto_chooses_a_batch_size_and_the_job_runs_at_it(tmp_path, ar):
     decodes at the chosen size, losslessly, and plan.json says which and why."""
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     recs = launch_ok(
-        3, [*TINY, "hierarchy.choose=true", "auto.batch_sizes=[1,3]", *QUICK, cache], tmp_path / "auto"
+        3, [*TINY, FIXED, "hierarchy.choose=true", "auto.batch_sizes=[1,3]", *QUICK, cache], tmp_path / "auto"
     )
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
     chosen = plan["chosen"]
