@@ -7,11 +7,12 @@ speculative method runs on a sub-pipeline ending with it. The bandit: each plan 
 ``explore`` prompts first, in turn (drift hits all alike); then the plan whose median ms per token
 over its newest ``window`` measurements is lowest runs, a challenger taking over only when it
 measures ``margin`` faster (noise within it does not flap); a challenger is re-measured once
-``recheck_every`` prompts have passed since its last run, times its measured gap to the current
-plan over the margin (a plan 45% slower every 72 prompts at the defaults: each re-check's cost
-stays about margin / recheck_every of the job), never beyond ``GIVE_UP``. Measurements
-remembered from an earlier job count as one each (``prior``). Greedy outputs do not depend on
-the plan, so no timing here changes what is output (docs/online.md).
+``recheck_every`` prompts have passed since its last run, times how many standard errors it is
+measured behind the current plan beyond the margin (``_behind``: prompts differ, so one prompt's
+measurement is noisy; a challenger that may still win runs again within a few prompts, one
+clearly slower rarely), never beyond ``GIVE_UP``. Measurements remembered from an earlier job
+count as one each (``prior``). Greedy outputs do not depend on the plan, so no timing here
+changes what is output (docs/online.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from pipespec_mpi.topology import parse_route, route_name, routes
 
 # A challenger measured this many times slower than the current plan is not re-checked any more.
 GIVE_UP = 2.0
+# One prompt's measurement relative to its plan's: the spread assumed until a plan has 4
+# measurements, and the least one used (a speculative plan's prompts differed by 15-25% on
+# 2 cores, AR's by 5%, as their drafts' acceptance does: docs/notebook.md, "The online plan").
+SPREAD_PRIOR = 0.15
+MIN_SPREAD = 0.03
 
 
 @dataclass(frozen=True)
@@ -118,14 +124,31 @@ class OnlinePlan:
         return self._run(Pick(cur, f"current: {self._board()}"))
 
     def _overdue(self, arm: Arm, current: Arm) -> float:
-        """How far past its re-check ``arm`` is (>= 1: due): the picks since it last ran over
-        ``recheck_every`` times its gap to ``current`` in margins (at least one); 0 beyond
-        ``GIVE_UP``."""
-        ratio = self._cost(arm) / self._cost(current)
-        if ratio > GIVE_UP:
+        """How far past its re-check ``arm`` is (>= 1: due): the picks since it last ran over its
+        interval, ``recheck_every`` times ``_behind`` (at least 2 picks: the current plan runs
+        at least every other prompt); 0 beyond ``GIVE_UP``."""
+        if self._cost(arm) > self._cost(current) * GIVE_UP:
             return 0.0
-        gap = max(1.0, (ratio - 1.0) / max(self.cfg.margin, 0.01))
-        return (self.n - self.last_run[arm]) / (self.cfg.recheck_every * gap)
+        interval = max(2.0, self.cfg.recheck_every * self._behind(arm, current))
+        return (self.n - self.last_run[arm]) / interval
+
+    def _behind(self, arm: Arm, current: Arm) -> float:
+        """How many standard errors ``arm``'s estimate is behind the mark it must beat to take
+        over (``current``'s less the margin), by each plan's relative spread (``spread``)."""
+        cur, mine = self._cost(current), self._cost(arm)
+        var = self.spread(arm) ** 2 / len(self.seen[arm]) + self.spread(current) ** 2 / len(
+            self.seen[current]
+        )
+        return max(0.0, (mine - cur * (1 - self.cfg.margin)) / (cur * var**0.5))
+
+    def spread(self, arm: Arm) -> float:
+        """One prompt's measurement on ``arm`` relative to its estimate: the scaled median absolute
+        deviation of its newest measurements (SPREAD_PRIOR until it has 4; at least MIN_SPREAD)."""
+        got = self.seen[arm]
+        if len(got) < 4:
+            return SPREAD_PRIOR
+        mid = statistics.median(got)
+        return max(MIN_SPREAD, 1.4826 * statistics.median(abs(x / mid - 1) for x in got))
 
     def observe(self, arm: Arm, tokens: int, seconds: float) -> None:
         """What ``arm`` measured: ``tokens`` committed in ``seconds`` (nothing from an empty run)."""
