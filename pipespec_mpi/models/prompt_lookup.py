@@ -29,6 +29,9 @@ class PromptLookup:
         self.ngram = ngram
         self.max_proposal = max_proposal
 
+    def learn(self, output: Sequence[int], store_key: str) -> None:
+        """Nothing to learn: a lookup drafts from its own sequence only."""
+
     def for_slot(self) -> PromptLookup:
         """Another sequence (a slot of batched decoding): a lookup keeps no state between calls."""
         return self

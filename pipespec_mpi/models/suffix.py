@@ -351,6 +351,13 @@ class SuffixDrafter:
             self.store_tokens, self.corpus, self.learned,
         )  # fmt: skip
 
+    def learn(self, output: Sequence[int], store_key: str) -> None:
+        """A finished output of the job that this stage did not draft for (it sat the prompt out:
+        run/online.py) joins the job store ``store_key`` all the same."""
+        if store_key not in self.learned:
+            self.learned[store_key] = (Store(self.store_tokens), Cells())
+        self.learned[store_key][0].add([int(t) for t in output])
+
     def prefill(self, prompt: Sequence[int], room: int = 0, store_key: str = "") -> None:
         """Start a sequence. ``store_key`` chooses the job store it drafts from and joins, and the
         estimates it learns: the stage loop passes the method, so that in a benchmark run, where

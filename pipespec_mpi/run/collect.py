@@ -261,6 +261,7 @@ class Collector:
     ) -> None:
         self.assemble, self.bar, self.log_progress = assemble, progress, log_progress
         self.tokens = 0  # committed tokens of every record so far (the online plan's measure)
+        self.outputs: list[list[int]] = []  # the outputs since the runner last took them (``take``)
         part.parent.mkdir(parents=True, exist_ok=True)
         drop_torn_tail(part)  # a resumed run appends after what a killed one left
         self.file = open(part, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
@@ -268,6 +269,7 @@ class Collector:
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> None:
         rec = self.assemble(job, outcome, stats)
         self.tokens += rec.n_new_tokens
+        self.outputs.append(rec.output_ids)
         self.file.write(rec.to_line())
         self.file.flush()
         os.fsync(self.file.fileno())
@@ -282,6 +284,11 @@ class Collector:
                 tok_s=f"{rec.n_new_tokens / rec.wall_s:.1f}",
                 accepted=f"{acc:.2f}",
             )
+
+    def take(self) -> list[list[int]]:
+        """The outputs recorded since the last call."""
+        out, self.outputs = self.outputs, []
+        return out
 
     def skipped(self, n: int) -> None:
         """``n`` jobs of the next round that a resumed run already holds."""

@@ -71,6 +71,17 @@ log = logging.getLogger("pipespec_mpi")
 FINALIZE_WAIT_S = 3600.0
 
 
+LEARN_TAG = 13  # the leader's outputs to the model-free stages that sat a prompt out
+
+
+def _received(req, into: list) -> bool:
+    """An mpi4py ``irecv`` tested: its object appended to ``into`` once it arrived."""
+    done, obj = req.test()
+    if done:
+        into.append(obj)
+    return done
+
+
 class Collective:
     """A replica collective as a steppable (``drive`` waits for it): DONE once ``done()``, the
     loops taking in proposals and beating meanwhile; ``patient`` where every other stage of the
@@ -287,6 +298,7 @@ class Runner:
             except StallError as err:
                 raise StallError(f"{err}{self._culprits(links)}") from err
             self.online.observe(part, self._tokens() - tokens, time.perf_counter() - t0)
+            self._teach(part, loops, links.replica_comm)
             done += stepper.jobs_done
             left += stepper.jobs_left
             if left:  # the replica agreed to stop (the same vote on each of its stages)
@@ -299,6 +311,26 @@ class Runner:
     def _on(self, route: tuple[int, ...] | None) -> Placement:
         """This rank's place on ``route`` (None: the whole hierarchy)."""
         return self.pl if route is None else self.pl.on_route(route)
+
+    def _teach(self, part: list[Job], loops: list[StageLoop], comm) -> None:
+        """The model-free stages that sat ``part`` out learn its outputs from the leader (the
+        suffix drafter's job store grows with every prompt of the job, whichever plan decoded it:
+        run/online.py compares the plans on a drafter that knows the job)."""
+        taught = [s for s in sorted(self.cfg.hierarchy.model_free) if not part[0].runs_on(s)]
+        if self.collector is not None:
+            outputs = self.collector.take()
+        if not taught or not (self.pl.is_last or self.pl.stage in taught):
+            return
+        wait = self._replica_wait(loops)
+        if self.pl.is_last:
+            reqs = [comm.isend(outputs, dest=s, tag=LEARN_TAG) for s in taught]
+            wait(lambda: all(r.Test() for r in reqs), f"stages {taught} to take job {part[0].seq}'s outputs")
+            return
+        req = comm.irecv(source=self.pl.n_stages - 1, tag=LEARN_TAG)
+        got: list = []
+        wait(lambda: bool(got) or _received(req, got), f"job {part[0].seq}'s outputs")
+        for output in got[0]:
+            loops[0].model.learn(output, part[0].store_key)
 
     def _loops_for(self, route: tuple[int, ...] | None) -> list[StageLoop]:
         """The loops a job on ``route`` runs on this rank: the route's own where it has links of

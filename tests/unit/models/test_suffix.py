@@ -44,6 +44,16 @@ def test_empty_history_proposes_nothing():
     assert d.propose([5], 8, confirmed=1) == []  # one token, seen nowhere before
 
 
+def test_an_output_it_did_not_draft_for_is_drafted_from_later():
+    """learn: a prompt decoded without this stage (the online plan's AR) still joins its store."""
+    d = SuffixDrafter("s", min_survival=0.0)
+    d.learn([10, 11, 12, 13, 14, 15], store_key="online:b1")
+    d.prefill([1, 10, 11, 12], store_key="online:b1")
+    assert d.propose([1, 10, 11, 12], 3, confirmed=4) == [13, 14, 15]
+    d.prefill([1, 10, 11, 12], store_key="pipespec:b1")  # another store knows nothing of it
+    assert d.propose([1, 10, 11, 12], 3, confirmed=4) == []
+
+
 def test_repeat_in_the_prompt_is_continued():
     d = SuffixDrafter("s", min_survival=0.0)
     seq = [1, 2, 3, 4, 5, 9, 1, 2, 3]
