@@ -405,7 +405,7 @@ def test_an_unfinished_shard_is_resubmitted_alone_and_the_shards_merge(jobs, tmp
     assert merged.returncode == 0, merged.stdout + merged.stderr
     results = read_records(base / RESULTS)
     assert sorted(r.prompt_id for r in results) == ["synthetic/0", "synthetic/1", "synthetic/2"]
-    assert json.loads((base / "summary.json").read_text())["pipespec"]["n_prompts"] == 3
+    assert json.loads((base / "summary.json").read_text())["online"]["n_prompts"] == 3  # the default method
     shutil.rmtree(base)
 
 
