@@ -285,9 +285,8 @@ class Runner:
                 part = self.online.agree(part, links.replica_comm, self._replica_wait(loops))
             size = part[0].batch_size
             b = min(size, len(part))
-            for loop in (
-                self._all_loops()
-            ):  # between phases (no prompt in flight): its settings, what was learned kept
+            # between phases (no prompt in flight): its settings, what was learned kept
+            for loop in self._all_loops():
                 loop.policy = loop.policy.with_config(self.cfg.decode.for_batch(size))
             queue = None if b == 1 else JobQueue(len(part))
             slots = [slot(s, part, queue) for s in range(b)]
@@ -317,8 +316,7 @@ class Runner:
         suffix drafter's job store grows with every prompt of the job, whichever plan decoded it:
         run/online.py compares the plans on a drafter that knows the job)."""
         taught = [s for s in sorted(self.cfg.hierarchy.model_free) if not part[0].runs_on(s)]
-        if self.collector is not None:
-            outputs = self.collector.take()
+        outputs = self.collector.take() if self.collector is not None else []  # the leader's, every part
         if not taught or not (self.pl.is_last or self.pl.stage in taught):
             return
         wait = self._replica_wait(loops)
