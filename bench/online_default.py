@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from stale_cache import machine  # bench/: the machine and commit a table is labelled with
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {
@@ -34,24 +35,6 @@ JOBS = {
     "suffix": (2, ["hierarchy=smollm2_suffix", "method=pipespec"]),
     "ar": (2, ["hierarchy=smollm2_suffix", "method=ar"]),
 }
-
-
-def machine() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    isa = (
-        "AMX"
-        if "amx_tile" in flags
-        else "AVX-512"
-        if "avx512f" in flags
-        else "AVX2"
-        if "avx2" in flags
-        else "-"
-    )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    py = platform.python_version()
-    return f"{model} ({isa}), {os.cpu_count()} cores, python {py}, commit {commit.stdout.strip()}"
 
 
 def job(name: str, run_dir: Path, common: list[str], env: dict) -> dict:

@@ -29,11 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> str:
+    """The label of a table: CPU model, widest ISA, cores, Python, commit."""
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in out.splitlines() if "Model name" in line), "?")
     flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{model} ({isa}), {os.cpu_count()} cores, {platform.python_version()}"
+    widest = [("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")]
+    isa = next((name for flag, name in widest if flag in flags), "no AVX2")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    py = platform.python_version()
+    return f"{model} ({isa}), {os.cpu_count()} cores, python {py}, commit {commit.stdout.strip()}"
 
 
 def job(run_dir: Path, overrides: list[str], env: dict) -> dict:
