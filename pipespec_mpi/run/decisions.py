@@ -126,7 +126,8 @@ def describe(summary: dict) -> str:
         f"{name} {ms:.2f}" for name, ms in sorted(summary["ms_per_token"].items(), key=lambda x: x[1])
     )
     switches = len(summary["switches"])
+    current = summary["current"] or "none yet (still exploring)"
     return (
-        f"ended on {summary['current']}; prompts per plan: {runs}; measured ms/token: {est}; "
+        f"ended on {current}; prompts per plan: {runs}; measured ms/token: {est}; "
         f"{switches} switch{'es' if switches != 1 else ''}"
     )
