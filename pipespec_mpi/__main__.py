@@ -106,6 +106,7 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     leaves together, with the job's exit code."""
     from pipespec_mpi.plan import job as plan_job
     from pipespec_mpi.plan.record import write_plan
+    from pipespec_mpi.plan.refit import RefitMemory
     from pipespec_mpi.stage.wait import sleep_at_barrier
 
     job = plan_job.resolve(cfg, world)
@@ -116,7 +117,9 @@ def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
         check_world(job.world.size, job.cfg.hierarchy.n_stages)
         code = run(job.cfg, run_dir, job.world, logger)
         if job.world.rank == 0:
-            plan_job.add_measured(run_dir, job.record, cfg.auto.off_factor)
+            m = job.record.machine
+            memory = RefitMemory(cfg, m.cores, m.ranks_on_node) if m is not None else None
+            plan_job.add_measured(run_dir, job.record, cfg.auto.off_factor, memory)
         job.world.comm.Free()
     sleep_at_barrier(world.comm)  # with the spare ranks
     from mpi4py import MPI

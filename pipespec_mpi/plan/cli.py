@@ -182,7 +182,7 @@ def measure_main(hydra_overrides: Sequence[str], ranks: int, top: int = 8) -> in
         node = Node.here(cfg.auto.replicas, ranks, ranks_on_node=ranks, bound=False)
         tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
         cal = calibrate(cfg, calibration_prompts(cfg, tok), tok.eos_token_id, node)
-        plan = choose(cfg, cal)
+        plan = choose(cfg, cal, node)
     except (UserError, ValueError, OSError) as err:
         return tool_error(PROG, err)
     got = "from the cache: " + ", ".join(cal.cached) if cal.cached else "measured"

@@ -23,6 +23,7 @@ from pipespec_mpi.errors import UserError
 from pipespec_mpi.plan.options import AUTO_GRID, Plan
 from pipespec_mpi.plan.realize import online_pipeline, realize
 from pipespec_mpi.plan.record import Machine, PlanRecord, RunsAs, SearchInputs, read_plan, write_plan
+from pipespec_mpi.plan.refit import Observation, Refit, RefitMemory, RefitSource
 from pipespec_mpi.plan.search import search
 from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
@@ -44,19 +45,26 @@ class AutoJob:
 def plan_of(inputs: SearchInputs) -> Plan:
     """The plan from measurements: the one search, on the grid ``hierarchy=auto`` searches."""
     grid = replace(AUTO_GRID, batch_sizes=inputs.batch_sizes)
-    return search(MeasuredSource(inputs.measured), inputs.decode, grid, inputs.max_stages, inputs.margin)
+    source = MeasuredSource(inputs.measured)
+    if inputs.refit.ratios:
+        source = RefitSource(source, inputs.refit)
+    return search(source, inputs.decode, grid, inputs.max_stages, inputs.margin)
 
 
-def search_inputs(cfg: AppConfig, cal: Calibration) -> SearchInputs:
-    return SearchInputs(
-        cal.measured, cfg.decode, cal.max_stages, cfg.auto.margin, tuple(cfg.auto.batch_sizes)
-    )
+def search_inputs(cfg: AppConfig, cal: Calibration, refit: Refit) -> SearchInputs:
+    a = cfg.auto
+    return SearchInputs(cal.measured, cfg.decode, cal.max_stages, a.margin, tuple(a.batch_sizes), refit)
 
 
-def choose(cfg: AppConfig, cal: Calibration) -> Plan:
-    """The plan from this node's measurements: what ``hierarchy=auto`` runs and
-    ``pipespec-plan --measure`` prints (the same call, so the same choice)."""
-    return plan_of(search_inputs(cfg, cal))
+def choose(cfg: AppConfig, cal: Calibration, node: Node) -> Plan:
+    """The plan from this node's measurements, corrected by what earlier jobs here measured
+    (plan/refit.py): what ``hierarchy=auto`` runs and ``pipespec-plan --measure`` prints (the
+    same call, so the same choice)."""
+    return plan_of(search_inputs(cfg, cal, refit_of(cfg, node)))
+
+
+def refit_of(cfg: AppConfig, node: Node) -> Refit:
+    return RefitMemory(cfg, node.cores, node.ranks_on_node).load()
 
 
 def replan(run_dir: Path) -> Plan | None:
@@ -73,14 +81,20 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, PlanRecord
     tok = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
     prompts = calibration_prompts(cfg, tok)
     cal: Calibration = calibrate(cfg, prompts, tok.eos_token_id, node)
-    plan = choose(cfg, cal)
+    inputs = search_inputs(cfg, cal, refit_of(cfg, node))
+    plan = plan_of(inputs)
     chosen = realize(cfg, plan, node.bound)
+    refit = inputs.refit.ratios
     log.info(
-        "auto: %s in %.1f s%s%s\n%s",
+        "auto: %s in %.1f s%s%s%s\n%s",
         "planned" if cal.cached else "measured and planned",
         cal.seconds,
         f" (from the cache: {', '.join(cal.cached)})" if cal.cached else "",
         f"; spot check of the cached costs: {cal.spot.to_json()}" if cal.spot else "",
+        f"; predictions times what {max(r.jobs for r in refit)} earlier job(s) here measured against "
+        f"theirs ({len(refit)} options)"
+        if refit
+        else "",
         table(plan),
     )
     record = PlanRecord(
@@ -89,7 +103,7 @@ def choose_on_rank0(cfg: AppConfig, world: World) -> tuple[AppConfig, PlanRecord
                     chosen.decode.max_run_ahead,
                     tuple(chosen.run.methods) if chosen.run.mode == "benchmark" else (chosen.method,)),
         machine=Machine(node.cores, node.ranks_on_node, node.bound),
-        inputs=search_inputs(cfg, cal),
+        inputs=inputs,
     )  # fmt: skip
     return chosen, record
 
@@ -118,7 +132,9 @@ def resolve(cfg: AppConfig, world: World) -> AutoJob:
     return AutoJob(chosen, sub_world(sub), record)
 
 
-def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRecord:
+def add_measured(
+    run_dir: Path, record: PlanRecord, off_factor: float, memory: RefitMemory | None = None
+) -> PlanRecord:
     """After the run (rank 0): the measured ms/token beside the prediction, written to plan.json.
     Every prediction the run measured is checked: the chosen option's, and AR's where the run
     decoded AR too (benchmark mode). One further than ``off_factor`` (auto.off_factor) either
@@ -127,14 +143,15 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
     measures them again. (AR is checked on its own: costs cached beside a busy process can put AR
     far off while the chosen option's own prediction still holds; docs/notebook.md, "Measurements
     behind the code's choices".) Under the online plan, every plan it measured is set beside its
-    prediction (``online_vs_predicted``) and checked too."""
+    prediction (``online_vs_predicted``) and checked too. What was measured updates the node's
+    refit (``memory``: plan/refit.py), which the next plan's predictions are corrected by."""
     summary = read_summary(run_dir / SUMMARY)
     chosen, ar_pred = record.plan.chosen, record.plan.ar
     kw: dict = {"measured_ms_per_token": {k: s.ms_per_token for k, s in summary.items()}}
     b = chosen.batch_size
     mine, ar = find_entry(summary, chosen.method, b), find_entry(summary, "ar", b)
     got = mine.ms_per_token if mine else None
-    checked = []  # (what, measured, predicted)
+    seen: dict[str, Observation] = {}  # what, as it is reported -> measured against predicted
     if got:
         kw["measured_vs_predicted"] = round(got / chosen.ms_per_token, 3)
         if ar and ar.ms_per_token:
@@ -144,17 +161,22 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
             f"predicted {chosen.ms_per_token:.2f} (AR predicted {ar_pred.ms_per_token:.2f})",
             flush=True,
         )
-        checked.append((group_key(chosen.method, b), got, chosen.ms_per_token))
+        mine_seen = Observation(chosen.method, chosen.pipeline, b, got, chosen.ms_per_token)
+        seen[group_key(chosen.method, b)] = mine_seen
     ar1 = find_entry(summary, "ar", 1)
     if ar1 and ar1.ms_per_token and chosen != ar_pred:
         kw["ar_measured_vs_predicted"] = round(ar1.ms_per_token / ar_pred.ms_per_token, 3)
-        checked.append(("ar", ar1.ms_per_token, ar_pred.ms_per_token))
+        seen["ar"] = Observation("ar", ar_pred.pipeline, 1, ar1.ms_per_token, ar_pred.ms_per_token)
     online = run_dir / ONLINE
     if online.is_file():  # method=online: every plan it measured, against its prediction
-        measured = json.loads(online.read_text()).get("1", {})
-        kw["online_vs_predicted"] = got = online_vs_predicted(record.plan, measured)
-        checked += [(name, v["measured"], v["predicted"]) for name, v in got.items() if v["predicted"]]
-    off = [(w, m, p) for w, m, p in checked if not within(m, p, off_factor)]
+        ran = online_observations(record.plan, json.loads(online.read_text()))
+        kw["online_vs_predicted"] = {
+            name: {"measured": o.measured, "predicted": round(o.predicted, 4) if o.predicted else None}
+            for (name, batch), o in ran.items() if batch == 1
+        }  # fmt: skip
+        seen.update({f"{name} @{batch}": o for (name, batch), o in ran.items() if o.predicted})
+    off = [(w, o.measured, o.predicted) for w, o in seen.items()
+           if not within(o.measured, o.predicted, off_factor)]  # fmt: skip
     if off:
         costs = record.calibration.cache_files.get("costs")
         if costs:
@@ -166,20 +188,26 @@ def add_measured(run_dir: Path, record: PlanRecord, off_factor: float) -> PlanRe
         )
         log.warning("auto: %s", kw["prediction_off"])
         print(f"[pipespec_mpi] auto: {kw['prediction_off']}", flush=True)
+    if memory is not None and record.inputs is not None and seen:
+        kw["refit_next"] = refit = record.inputs.refit.updated(seen.values())
+        memory.save(refit)
     record = dataclasses.replace(record, **kw)
     write_plan(run_dir, record)
     return record
 
 
-def online_vs_predicted(plan: Plan, measured: dict) -> dict[str, dict[str, float | None]]:
-    """Each plan the online plan measured at batch 1 (``online.json``): its measured ms/token
-    beside the offline plan's prediction for its method on its stages (None: not predicted)."""
+def online_observations(plan: Plan, online: dict) -> dict[tuple[str, int], Observation]:
+    """Each plan the online plan measured (``online.json``: its name and batch size) with its
+    measured ms/token and the offline plan's prediction for its method on its stages at that
+    batch size (0: not predicted)."""
     pipeline, _ = online_pipeline(plan)
     out = {}
-    for name, ms in measured.get("ms_per_token", {}).items():
-        method, _, route = name.partition(" ")
-        stages = (pipeline[-1],) if method == "ar" else tuple(pipeline[i] for i in parse_route(route))
-        predicted = [o.ms_per_token for o in plan.options
-                     if o.method == method and o.pipeline == stages and o.batch_size == 1]  # fmt: skip
-        out[name] = {"measured": ms, "predicted": round(min(predicted), 4) if predicted else None}
+    for batch, node in online.items():
+        b = int(batch)
+        for name, ms in node.get("ms_per_token", {}).items():
+            method, _, route = name.partition(" ")
+            stages = (pipeline[-1],) if method == "ar" else tuple(pipeline[i] for i in parse_route(route))
+            predicted = [o.ms_per_token for o in plan.options
+                         if o.method == method and o.pipeline == stages and o.batch_size == b]  # fmt: skip
+            out[name, b] = Observation(method, stages, b, ms, min(predicted, default=0.0))
     return out

@@ -15,6 +15,7 @@ from pipespec_mpi.auto.calibrate import CalibrationSummary
 from pipespec_mpi.auto.measured import Measured
 from pipespec_mpi.config import DecodeConfig
 from pipespec_mpi.plan.options import Option, Plan
+from pipespec_mpi.plan.refit import Refit
 
 PLAN = "plan.json"
 
@@ -29,6 +30,7 @@ class SearchInputs:
     max_stages: int
     margin: float
     batch_sizes: tuple[int, ...]
+    refit: Refit = Refit()  # what earlier jobs here measured against their predictions (plan/refit.py)
 
     def to_json(self) -> dict:
         return {
@@ -37,13 +39,19 @@ class SearchInputs:
             "max_stages": self.max_stages,
             "margin": self.margin,
             "batch_sizes": list(self.batch_sizes),
+            "refit": self.refit.to_json(),
         }
 
     @classmethod
     def from_json(cls, node: dict) -> SearchInputs:
         measured, decode = Measured.from_json(node["measured"]), DecodeConfig(**node["decode"])
         return cls(
-            measured, decode, int(node["max_stages"]), float(node["margin"]), tuple(node["batch_sizes"])
+            measured,
+            decode,
+            int(node["max_stages"]),
+            float(node["margin"]),
+            tuple(node["batch_sizes"]),
+            Refit.from_json(node.get("refit")),
         )
 
 
@@ -85,6 +93,8 @@ class PlanRecord:
     ar_measured_vs_predicted: float | None = None  # AR at batch 1, where the run decoded it
     # method=online: each plan it measured (its name, run/online.py), measured and predicted ms/token
     online_vs_predicted: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # the ratios the next job on this node plans with, this run's measurements included
+    refit_next: Refit | None = None
 
     def to_json(self) -> dict:
         out = {**self.plan.to_json(), **asdict(self.calibration), "candidates": self.candidates,
@@ -95,6 +105,8 @@ class PlanRecord:
             out["measured_ms_per_token"] = self.measured_ms_per_token
         if self.online_vs_predicted:
             out["online_vs_predicted"] = self.online_vs_predicted
+        if self.refit_next is not None:
+            out["refit_next"] = self.refit_next.to_json()
         for k in ("measured_vs_predicted", "measured_speedup", "prediction_off", "ar_measured_vs_predicted"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
@@ -128,6 +140,7 @@ class PlanRecord:
             measured_speedup=node.get("measured_speedup"), prediction_off=node.get("prediction_off"),
             ar_measured_vs_predicted=node.get("ar_measured_vs_predicted"),
             online_vs_predicted=node.get("online_vs_predicted", {}),
+            refit_next=Refit.from_json(node["refit_next"]) if "refit_next" in node else None,
         )  # fmt: skip
 
 

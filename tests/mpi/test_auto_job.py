@@ -53,6 +53,8 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
     second = launch_ok(3, [*TINY, FIXED, "hierarchy.choose=true", *quick, cache], tmp_path / "auto2")
     again = json.loads((tmp_path / "auto2" / "plan.json").read_text())
     assert plan["spot_check"] is None
+    # the second planned with what the first measured against its predictions (plan/refit.py)
+    assert plan["refit_next"] and again["inputs"]["refit"] == plan["refit_next"]
     if (plan["cost_check"] or {}).get("still_off"):  # a busy machine: the first job's timings of the target
         # disagreed even when timed again, so it did not cache them and the second measures anew
         assert again["spot_check"] is None and again["from_cache"] == ["agreement"]
@@ -80,6 +82,7 @@ def test_auto_under_the_online_plan_measures_its_routes_losslessly(tmp_path, ar)
     assert len(ran) >= 2  # three prompts, each on another plan while it explores (AR and a route at least)
     assert set(plan["online_vs_predicted"]) == ran
     assert all(v["measured"] > 0 and v["predicted"] > 0 for v in plan["online_vs_predicted"].values())
+    assert len(plan["refit_next"]) == len(ran)  # each measured plan refits its own prediction
 
 
 @pytest.mark.long
