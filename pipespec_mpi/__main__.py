@@ -62,7 +62,7 @@ def app(cfg: DictConfig) -> None:
         typed = load_config(cfg)
         # before any model loads: the CPU code paths asked for, the device, the MPI's windows
         check_dispatch(typed.hierarchy)
-        check_platform(typed, world.hosts, world.rank)
+        check_platform(typed, world)
         check_one_sided(typed.run.epochs_window)
         if not typed.hierarchy.choose:  # a plan's stages are checked once it is chosen
             check_world(world.size, typed.hierarchy.n_stages)

@@ -10,6 +10,9 @@ rank sleeping on the doorbell, host/doorbell.py). The stage loop and the decodin
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,9 +25,31 @@ class PlatformError(UserError):
     """A setting this node's device cannot run (the job stops before any model loads)."""
 
 
-def local_stages(hosts: Sequence[str], rank: int, n_stages: int) -> list[int]:
-    """The stage of every rank on this rank's node, in rank order."""
-    return [r % n_stages for r, h in enumerate(hosts) if h == hosts[rank]]
+@dataclass(frozen=True)
+class RankGpus:
+    """One rank of a node as the device seam sees it: its stage and the GPUs it computes on, by
+    UUID (the same GPU under every rank's ``CUDA_VISIBLE_DEVICES``) with their compute modes."""
+
+    rank: int
+    stage: int
+    uuids: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()  # nvidia-smi's compute_mode per GPU ("" where unknown)
+
+
+def stage_gpus(cfg: AppConfig) -> list[int]:
+    """How many GPUs each stage computes on: its ``n_gpus``, none for a model-free stage (a suffix
+    or prompt-lookup drafter computes on the host)."""
+    h = cfg.hierarchy
+    return [0 if i in h.model_free else s.n_gpus for i, s in enumerate(h.stages)]
+
+
+def shared(node: Sequence[RankGpus]) -> dict[str, list[RankGpus]]:
+    """Each GPU two or more of ``node``'s ranks compute on, with those ranks."""
+    by_uuid: dict[str, list[RankGpus]] = {}
+    for r in node:
+        for u in dict.fromkeys(r.uuids):
+            by_uuid.setdefault(u, []).append(r)
+    return {u: rs for u, rs in by_uuid.items() if len(rs) > 1}
 
 
 @dataclass(frozen=True)
@@ -37,10 +62,13 @@ class CpuPlatform:
     def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
         return []
 
-    def own_gpus(self, stage_gpus: Sequence[int], stages_here: Sequence[int]) -> bool:
+    def rank_gpus(self, rank: int, stage: int, devices: Sequence[int]) -> RankGpus:
+        return RankGpus(rank, stage)
+
+    def own_gpus(self, node: Sequence[RankGpus]) -> bool:
         return False
 
-    def problems(self, cfg: AppConfig, stages_here: Sequence[int]) -> list[str]:
+    def problems(self, cfg: AppConfig, node: Sequence[RankGpus]) -> list[str]:
         """Settings that need CUDA, on a node without it."""
         out = []
         fix = "this node has no CUDA device (torch.cuda.is_available() is False)"
@@ -56,65 +84,148 @@ class CpuPlatform:
                 )
         return out
 
+    def bind(self, devices: Sequence[int]) -> None:
+        """Nothing to bind: a CPU rank's threads and cores are host/placement.py's."""
+
     def synchronize(self) -> None:
         """Nothing to wait for: CPU ops are done when they return."""
 
 
+EXCLUSIVE = ("Exclusive_Process", "Exclusive_Thread", "Prohibited")  # compute modes no two ranks share
+
+
 @dataclass(frozen=True)
 class CudaPlatform:
-    """Ranks on NVIDIA GPUs: a stage's GPUs in stage order, the device's stream to wait for."""
+    """Ranks on NVIDIA GPUs: a stage's GPUs in stage order among those the rank sees, known
+    across ranks by UUID; the rank's current device and its stream."""
 
-    count: int
+    count: int  # GPUs this rank sees (CUDA_VISIBLE_DEVICES)
+    uuids: tuple[str, ...] = ()  # per visible index ("" where unknown)
+    modes: tuple[str, ...] = ()  # compute mode per visible index ("" where unknown)
     kind: str = "cuda"
     cpu_host: bool = False
 
     def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
         return device_for(list(stage_gpus), stage, local_rank, self.count)
 
-    def problems(self, cfg: AppConfig, stages_here: Sequence[int]) -> list[str]:
-        """A stage wider than the node's GPUs; NCCL between ranks that would share a GPU."""
+    def rank_gpus(self, rank: int, stage: int, devices: Sequence[int]) -> RankGpus:
+        """This rank's GPUs as the others can compare them (a visible index without a known UUID
+        is named by it: ranks that see the same devices then agree on it)."""
+        uuid = lambda i: self.uuids[i] if i < len(self.uuids) and self.uuids[i] else f"cuda:{i}"  # noqa: E731
+        mode = lambda i: self.modes[i] if i < len(self.modes) else ""  # noqa: E731
+        return RankGpus(rank, stage, tuple(uuid(i) for i in devices), tuple(mode(i) for i in devices))
+
+    def own_gpus(self, node: Sequence[RankGpus]) -> bool:
+        """Whether every rank of the node computes on GPUs no other rank of it uses."""
+        return all(r.uuids for r in node) and not shared(node)
+
+    def problems(self, cfg: AppConfig, node: Sequence[RankGpus]) -> list[str]:
+        """A stage wider than the GPUs its rank sees; NCCL between ranks without GPUs of their
+        own; ranks sharing a GPU whose compute mode admits one process."""
         out = []
         stages = cfg.hierarchy.stages
-        for i, s in enumerate(stages):
-            if s.n_gpus > self.count:
+        for i, (s, n) in enumerate(zip(stages, stage_gpus(cfg), strict=True)):
+            if n > self.count:
                 out.append(
-                    f"hierarchy.stages.{i}.n_gpus={s.n_gpus} but this node has {self.count} GPU(s): "
-                    f"lower it, or run on a node with {s.n_gpus}"
+                    f"hierarchy.stages.{i}.n_gpus={s.n_gpus} but a rank here sees {self.count} GPU(s) "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it, or "
+                    f"give each rank {s.n_gpus} (srun --gpus-per-task={s.n_gpus}, or a node with more)"
                 )
-        gpus = [s.n_gpus for s in stages]
-        if cfg.transport.kind == "nccl" and not self.own_gpus(gpus, stages_here):  # (auto takes MPI)
-            out.append(
-                f"transport.kind=nccl puts NCCL between {len(stages_here)} ranks here, which need "
-                f"{sum(gpus[s] for s in stages_here)} GPUs and this node has {self.count}: NCCL refuses "
-                "two ranks on one GPU; use transport.kind=mpi (the ranks share the GPUs) or more GPUs"
-            )
+        both = shared(node)
+        if cfg.transport.kind == "nccl":
+            bare = sorted({r.stage for r in node if not r.uuids})
+            if bare:
+                out.append(
+                    f"transport.kind=nccl needs a GPU on every rank and stage(s) {bare} have none "
+                    "(a model-free drafter computes on the host): use transport.kind=mpi or auto "
+                    "(token ids gain nothing from NCCL)"
+                )
+            if both:
+                out.append(
+                    f"transport.kind=nccl puts NCCL between ranks that share a GPU ({_named(both)}): "
+                    "NCCL refuses two ranks on one GPU; use transport.kind=mpi (the ranks share the "
+                    "GPUs) or more GPUs"
+                )
+        for uuid, ranks in both.items():
+            modes = {m for r in ranks for u, m in zip(r.uuids, r.modes, strict=True) if u == uuid}
+            if modes & set(EXCLUSIVE):
+                out.append(
+                    f"GPU {uuid} is in compute mode {'/'.join(sorted(modes))}, which admits one process, "
+                    f"and ranks {[r.rank for r in ranks]} would share it: give each rank its own GPU, or "
+                    "ask the site for the Default compute mode (nvidia-smi -c DEFAULT)"
+                )
         return out
 
-    def own_gpus(self, stage_gpus: Sequence[int], stages_here: Sequence[int]) -> bool:
-        """Whether the node's ranks (their stages) each get GPUs of their own."""
-        return sum(stage_gpus[s] for s in stages_here) <= self.count
-
-    def synchronize(self) -> None:
+    def bind(self, devices: Sequence[int]) -> None:
+        """Make the rank's first GPU its current device, before any CUDA work: otherwise every
+        rank's implicit allocations (and NCCL's) land on cuda:0, each with a context there."""
         import torch
 
-        torch.cuda.synchronize()
+        if devices:
+            torch.cuda.set_device(devices[0])
+
+    def synchronize(self) -> None:
+        """Wait for the rank's own stream, never the whole device (a device-wide sync waits
+        behind a receive posted on another stream, which may never complete meanwhile)."""
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
+
+def _named(both: dict[str, list[RankGpus]]) -> str:
+    return "; ".join(f"ranks {[r.rank for r in rs]} on {u}" for u, rs in both.items())
 
 
 Platform = CpuPlatform | CudaPlatform
 
 
+@functools.cache
 def current_platform() -> Platform:
     """The platform of this process: CUDA where torch sees a GPU, else the CPU."""
     import torch
 
-    if torch.cuda.is_available():
-        return CudaPlatform(torch.cuda.device_count())
-    return CpuPlatform()
+    if not torch.cuda.is_available():
+        return CpuPlatform()
+    n = torch.cuda.device_count()
+    uuids = tuple(_uuid(torch.cuda.get_device_properties(i)) for i in range(n))
+    modes = compute_modes()
+    return CudaPlatform(n, uuids, tuple(modes.get(u, "") for u in uuids))
 
 
-def check(cfg: AppConfig, hosts: Sequence[str], rank: int, platform: Platform | None = None) -> None:
-    """Raise ``PlatformError`` naming every setting this node's device cannot run."""
+def _uuid(props) -> str:
+    u = str(getattr(props, "uuid", "") or "")
+    return u.removeprefix("GPU-")
+
+
+def compute_modes() -> dict[str, str]:
+    """UUID -> compute mode of every GPU ``nvidia-smi`` lists (empty where it cannot say)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=uuid,compute_mode", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    modes = {}
+    for line in out.splitlines():
+        uuid, _, mode = line.partition(",")
+        modes[uuid.strip().removeprefix("GPU-")] = mode.strip()
+    return modes
+
+
+def node_gpus(cfg: AppConfig, world, platform: Platform) -> list[RankGpus]:
+    """Every rank of this rank's node with the GPUs it takes (collective over ``world.comm``)."""
+    n = max(1, cfg.hierarchy.n_stages)
+    stage = world.rank % n
+    devices = platform.gpus(stage_gpus(cfg), stage, world.local_rank)
+    everyone = world.comm.allgather((world.hosts[world.rank], platform.rank_gpus(world.rank, stage, devices)))
+    return [r for host, r in everyone if host == world.hosts[world.rank]]
+
+
+def check(cfg: AppConfig, world, platform: Platform | None = None) -> None:
+    """Raise ``PlatformError`` naming every setting this node's device cannot run (collective:
+    every rank of the world calls it)."""
     platform = platform or current_platform()
-    found = platform.problems(cfg, local_stages(hosts, rank, max(1, cfg.hierarchy.n_stages)))
+    found = platform.problems(cfg, node_gpus(cfg, world, platform))
     if found:
         raise PlatformError("; ".join(found))

@@ -162,12 +162,14 @@ Step = Callable[[str, float], AbstractContextManager]  # (step, its limit in s) 
 def init_torch_distributed(
     world: World, backend: str, iface: str | None, port: int | None = None, timeout_s: float = 60.0,
     step: Step | None = None, setting: str = "transport.rendezvous_timeout_s",
+    op_timeout_s: float = 7 * 24 * 3600.0,
 ) -> None:  # fmt: skip
     """Initialise torch.distributed over the MPI world (rank 0 picks its address, and a free
     port unless ``port`` is given), each step ended within ``timeout_s`` of the start, else
     ``RendezvousError`` naming the ranks that did not answer and the ``setting`` behind the limit
     (comm/rendezvous.py). ``step(name, limit_s)`` wraps each step (the start-up watchdog's phase,
-    a backstop ``STEP_GRACE_S`` later)."""
+    a backstop ``STEP_GRACE_S`` later). Its operations then wait up to ``op_timeout_s``
+    (``transport.op_timeout_s``)."""
     import torch.distributed as dist
 
     from pipespec_mpi.comm import rendezvous as rv
@@ -197,7 +199,7 @@ def init_torch_distributed(
         rv.mark(store, world.rank)
         rv.wait_marked(store, world.size, world.hosts, deadline)
     with step(f"{backend} pairs", deadline.left() + STEP_GRACE_S):
-        rv.connect_pairs(backend, store, world.rank, world.size, world.hosts, deadline)
+        rv.connect_pairs(backend, store, world.rank, world.size, world.hosts, deadline, op_timeout_s)
 
 
 def shutdown_torch_distributed() -> None:

@@ -151,13 +151,15 @@ def _has(store: Any, key: str) -> bool:
 
 
 def connect_pairs(
-    backend: str, store: Any, rank: int, size: int, hosts: Sequence[str], deadline: Deadline
-) -> None:
+    backend: str, store: Any, rank: int, size: int, hosts: Sequence[str], deadline: Deadline,
+    op_timeout_s: float,
+) -> None:  # fmt: skip
     """The default process group on ``store`` (gloo connects every pair here), bounded by the time
-    left; afterwards its operations get torch's default timeout back (a receive posted ahead may
-    wait longer than a start-up step)."""
+    left; afterwards its operations wait up to ``op_timeout_s`` (a receive posted ahead waits as
+    long as its link idles). No ``device_id`` (NCCL's eager init): NCCL then opens a communicator
+    per pair on its first operation, each pair on its own stream; one eager communicator would
+    queue every pair's operations on one stream, and a receive waiting there blocks the rest."""
     import torch.distributed as dist
-    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     try:
@@ -167,4 +169,4 @@ def connect_pairs(
         raise RendezvousError(
             f"the {backend} process group did not connect on {who(hosts, [rank])} within {deadline}: {err}"
         ) from err
-    _set_pg_timeout(default_pg_nccl_timeout if backend == "nccl" else default_pg_timeout)
+    _set_pg_timeout(timedelta(seconds=op_timeout_s))

@@ -185,6 +185,8 @@ def validate(cfg: AppConfig) -> list[str]:
         p.append(f"transport.depth={t.depth}, max_msg_tokens={t.max_msg_tokens}: must be >= 1")
     if t.rendezvous_timeout_s <= 0:
         p.append(f"transport.rendezvous_timeout_s={t.rendezvous_timeout_s}: must be > 0")
+    if t.op_timeout_s <= 0:
+        p.append(f"transport.op_timeout_s={t.op_timeout_s}: must be > 0")
     if t.port is not None and not (isinstance(t.port, int) and 1 <= t.port <= 65535):
         p.append(f"transport.port={t.port}: must be a TCP port, 1..65535 (or null: a free one)")
 

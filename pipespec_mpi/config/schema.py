@@ -318,6 +318,10 @@ class TransportConfig:
     rendezvous_timeout_s: float = 60.0  # the gloo/nccl rendezvous (check-in, store, pairs) ends within
     # this many seconds (or run.startup_timeout_s where tighter), or the job ends naming the rank and
     # host that did not answer (comm/rendezvous.py)
+    # how long a posted gloo/nccl receive or send may wait before torch ends the job (its default
+    # is 10 min for NCCL, 30 for gloo); a link idles with its receives posted through AR phases,
+    # other routes' prompts and compiles, so it is long: run.stall_timeout_s catches a real hang
+    op_timeout_s: float = 7 * 24 * 3600.0
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
 from pipespec_mpi.host.placement import CpuPlacement, share_cpus
-from pipespec_mpi.platforms import Platform, current_platform, local_stages
+from pipespec_mpi.platforms import Platform, RankGpus, current_platform, node_gpus, stage_gpus
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.rows import RowFeed
@@ -52,12 +52,12 @@ class PerfClock:
         return time.perf_counter()
 
 
-def resolve_transport(kind: str, platform: Platform, stage_gpus: list[int], stages_here: list[int]) -> str:
-    """``transport.kind``; auto: NCCL where this node's ranks each have GPUs of their own, else MPI
-    (NCCL refuses two ranks on one GPU)."""
+def resolve_transport(kind: str, platform: Platform, node: Sequence[RankGpus]) -> str:
+    """``transport.kind``; auto: NCCL where every rank of this node has GPUs no other rank of it
+    uses (by UUID), else MPI (NCCL refuses two ranks on one GPU, and needs one on every rank)."""
     if kind != "auto":
         return kind
-    return "nccl" if platform.own_gpus(stage_gpus, stages_here) else "mpi"
+    return "nccl" if platform.own_gpus(node) else "mpi"
 
 
 def place_cpus(
@@ -117,10 +117,9 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     stage_cfg = cfg.hierarchy.stages[pl.stage]
     cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, extra_routes(cfg))
     platform = current_platform()
-    stage_gpus = [s.n_gpus for s in cfg.hierarchy.stages]
-    here = local_stages(world.hosts, world.rank, cfg.hierarchy.n_stages)
-    transport = resolve_transport(cfg.transport.kind, platform, stage_gpus, here)
-    cuda_devices = platform.gpus(stage_gpus, pl.stage, world.local_rank)
+    cuda_devices = platform.gpus(stage_gpus(cfg), pl.stage, world.local_rank)
+    platform.bind(cuda_devices)  # before any CUDA work of this rank
+    transport = resolve_transport(cfg.transport.kind, platform, node_gpus(cfg, world, platform))
     p2p = rendezvous(cfg, world, transport, watchdog)
 
     with watchdog.phase("tokenizer"):
@@ -179,7 +178,7 @@ def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWa
     def step(name: str, step_s: float):
         return watchdog.phase(f"rendezvous ({transport}): {name}", step_s, setting)
 
-    init_torch_distributed(world, backend, t.iface, t.port, limit_s, step, setting)
+    init_torch_distributed(world, backend, t.iface, t.port, limit_s, step, setting, t.op_timeout_s)
     return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == "strict" else None
 
 

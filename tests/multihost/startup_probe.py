@@ -38,7 +38,7 @@ def probe_rank(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_config(overrides)
     pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
     watchdog = StartupWatchdog(cfg.run.startup_timeout_s, world.rank, world.hosts)
-    transport = setup.resolve_transport(cfg.transport.kind, current_platform(), [0] * pl.n_stages, [])
+    transport = setup.resolve_transport(cfg.transport.kind, current_platform(), [])
     p2p = setup.rendezvous(cfg, world, transport, watchdog)
     loaded = setup.Loaded(
         transport=transport, p2p=p2p, cpus=None, cuda_devices=[], tokenizer=None, feed=None, n_prompts=0,

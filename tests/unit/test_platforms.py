@@ -3,20 +3,18 @@ and transport.kind=auto takes NCCL only where the node's ranks have GPUs of thei
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, local_stages
+from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, node_gpus, stage_gpus
 from pipespec_mpi.run.setup import resolve_transport
 
 
 def cfg(*over: str):
     return compose_config(["hierarchy=tiny", *over])
-
-
-def test_local_stages_are_this_nodes():
-    assert local_stages(("a", "a", "a", "b", "b", "b"), 4, 3) == [0, 1, 2]
-    assert local_stages(("a", "b", "a", "b"), 2, 2) == [0, 0]
 
 
 def test_cuda_settings_on_a_cpu_node_are_named():
@@ -26,7 +24,7 @@ def test_cuda_settings_on_a_cpu_node_are_named():
             "hierarchy.stages.1.device=cuda:0",
             "hierarchy.stages.2.quantization=bnb_4bit",
         ),
-        [0, 1, 2],
+        [],
     )
     assert [m.split(" ")[0] for m in msgs] == [
         "transport.kind=nccl",
@@ -34,23 +32,95 @@ def test_cuda_settings_on_a_cpu_node_are_named():
         "hierarchy.stages.2.quantization=bnb_4bit",
     ]
     assert all("no CUDA device" in m for m in msgs)
-    assert CpuPlatform().problems(cfg(), [0, 1, 2]) == []
+    assert CpuPlatform().problems(cfg(), []) == []
+
+
+class Node:
+    """The ranks of one node, each with what it sees (a fake world: allgather returns them all)."""
+
+    def __init__(self, *sees: CudaPlatform) -> None:
+        self.sees = sees
+        self.hosts = ("n",) * len(sees)
+
+    def world(self, rank: int) -> SimpleNamespace:
+        comm = SimpleNamespace(allgather=lambda mine: [self._of(r, c) for r, c in enumerate(self.sees)])
+        return SimpleNamespace(rank=rank, local_rank=rank, hosts=self.hosts, comm=comm)
+
+    def _of(self, rank: int, platform: CudaPlatform, c=None):
+        c = c or cfg()
+        n = c.hierarchy.n_stages
+        devices = platform.gpus(stage_gpus(c), rank % n, rank)
+        return "n", platform.rank_gpus(rank, rank % n, devices)
+
+    def gpus(self, c) -> list:
+        return node_gpus(c, self.world(0), self.sees[0])
+
+
+SHARED_ONE = CudaPlatform(1, ("u0",))  # three ranks seeing the node's one GPU
+SHARED_THREE = CudaPlatform(3, ("u0", "u1", "u2"))  # three ranks seeing all three GPUs
+PER_TASK = [CudaPlatform(1, (u,)) for u in ("u0", "u1", "u2")]  # srun --gpus-per-task=1
 
 
 def test_gpus_that_do_not_cover_the_hierarchy_are_named():
-    one = CudaPlatform(1)
-    (msg,) = one.problems(cfg("hierarchy.stages.2.n_gpus=2"), [2])
-    assert msg.startswith("hierarchy.stages.2.n_gpus=2 but this node has 1 GPU(s)")
-    (msg,) = one.problems(cfg("transport.kind=nccl"), [0, 1, 2])
-    assert "NCCL refuses two ranks on one GPU" in msg and "transport.kind=mpi" in msg
-    assert one.problems(cfg("transport.kind=mpi"), [0, 1, 2]) == []  # three ranks share the GPU
-    assert CudaPlatform(4).problems(cfg("transport.kind=nccl"), [0, 1, 2]) == []
+    one = Node(SHARED_ONE, SHARED_ONE, SHARED_ONE)
+    (msg,) = SHARED_ONE.problems(cfg("hierarchy.stages.2.n_gpus=2"), one.gpus(cfg()))
+    assert msg.startswith("hierarchy.stages.2.n_gpus=2 but a rank here sees 1 GPU(s)")
+    assert "--gpus-per-task=2" in msg
+    (msg,) = SHARED_ONE.problems(cfg("transport.kind=nccl"), one.gpus(cfg()))
+    assert "NCCL refuses two ranks on one GPU" in msg and "ranks [0, 1, 2] on u0" in msg
+    assert SHARED_ONE.problems(cfg("transport.kind=mpi"), one.gpus(cfg())) == []  # three ranks share it
+    three = Node(SHARED_THREE, SHARED_THREE, SHARED_THREE)
+    assert SHARED_THREE.problems(cfg("transport.kind=nccl"), three.gpus(cfg())) == []
     with pytest.raises(PlatformError, match="n_gpus=2"):
-        check(cfg("hierarchy.stages.0.n_gpus=2"), ("a", "a", "a"), 0, one)
+        check(cfg("hierarchy.stages.0.n_gpus=2"), one.world(0), SHARED_ONE)
+
+
+def test_ranks_are_told_apart_by_gpu_uuid_not_by_count():
+    """Under srun --gpus-per-task each rank sees one GPU, its own: counted, three ranks on one GPU;
+    by UUID, each has its own, so NCCL is allowed and auto takes it."""
+    node = Node(*PER_TASK)
+    gpus = node.gpus(cfg())
+    assert [r.uuids for r in gpus] == [("u0",), ("u1",), ("u2",)]
+    assert PER_TASK[0].problems(cfg("transport.kind=nccl"), gpus) == []
+    assert resolve_transport("auto", PER_TASK[0], gpus) == "nccl"
 
 
 def test_auto_transport_takes_nccl_only_with_a_gpu_per_rank():
-    assert resolve_transport("auto", CudaPlatform(1), [1, 1, 1], [0, 1, 2]) == "mpi"
-    assert resolve_transport("auto", CudaPlatform(3), [1, 1, 1], [0, 1, 2]) == "nccl"
-    assert resolve_transport("auto", CpuPlatform(), [1, 1, 1], [0, 1, 2]) == "mpi"
-    assert resolve_transport("gloo", CudaPlatform(3), [1, 1, 1], [0, 1, 2]) == "gloo"
+    one, three = Node(SHARED_ONE, SHARED_ONE, SHARED_ONE), Node(SHARED_THREE, SHARED_THREE, SHARED_THREE)
+    assert resolve_transport("auto", SHARED_ONE, one.gpus(cfg())) == "mpi"
+    assert resolve_transport("auto", SHARED_THREE, three.gpus(cfg())) == "nccl"
+    assert resolve_transport("auto", CpuPlatform(), []) == "mpi"
+    assert resolve_transport("gloo", SHARED_THREE, three.gpus(cfg())) == "gloo"
+
+
+def test_a_model_free_stage_needs_no_gpu_and_keeps_nccl_away():
+    c = compose_config(["hierarchy=tiny_suffix"])  # suffix -> tiny-mid-3L -> tiny-target-4L
+    node = Node(SHARED_THREE, SHARED_THREE, SHARED_THREE)
+    node._of = lambda rank, platform, _c=None: Node._of(node, rank, platform, c)
+    gpus = node.gpus(c)
+    assert gpus[0].uuids == () and gpus[1].uuids == ("u0",)  # the next stages start at the first GPU
+    assert resolve_transport("auto", SHARED_THREE, gpus) == "mpi"
+    (msg,) = SHARED_THREE.problems(replace(c, transport=replace(c.transport, kind="nccl")), gpus)
+    assert "stage(s) [0] have none" in msg
+
+
+def test_ranks_may_not_share_a_gpu_that_admits_one_process():
+    exclusive = CudaPlatform(1, ("u0",), ("Exclusive_Process",))
+    node = Node(exclusive, exclusive, exclusive)
+    (msg,) = exclusive.problems(cfg("transport.kind=mpi"), node.gpus(cfg()))
+    assert "compute mode Exclusive_Process" in msg and "ranks [0, 1, 2]" in msg
+    own = [CudaPlatform(1, (u,), ("Exclusive_Process",)) for u in ("u0", "u1", "u2")]
+    assert own[0].problems(cfg(), Node(*own).gpus(cfg())) == []  # each its own: allowed
+
+
+def test_a_rank_binds_its_first_gpu_and_waits_for_its_own_stream(monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    stream = SimpleNamespace(synchronize=lambda: calls.append("stream"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("device-wide"))
+    SHARED_THREE.bind([2, 3])
+    SHARED_THREE.synchronize()
+    assert calls == [("set_device", 2), "stream"]

@@ -104,3 +104,46 @@ def test_a_rank_that_did_not_mark_the_store_is_named():
         rv.wait_marked(store, 3, HOSTS, rv.Deadline(0.5))
     rv.mark(store, 2)
     rv.wait_marked(store, 3, HOSTS, rv.Deadline(5))
+
+
+def test_the_process_group_waits_as_long_as_a_link_may_idle_and_opens_pairs_lazily(monkeypatch):
+    """After the start-up bound, a posted receive waits up to transport.op_timeout_s (torch's
+    own default would end the job after 30 min of an idle gloo link, 10 of an NCCL one); the group
+    is made without device_id (NCCL's eager init would put every pair on one stream)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    made = []
+    real = dist.init_process_group
+
+    def init(*args, **kwargs):
+        made.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = rv.open_store(0, 1, "127.0.0.1", port, ["h0"], rv.Deadline(10))
+    try:
+        rv.connect_pairs("gloo", store, 0, 1, ["h0"], rv.Deadline(10), op_timeout_s=12345.0)
+        gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout == datetime.timedelta(seconds=12345)
+    finally:
+        dist.destroy_process_group()
+    assert made and "device_id" not in made[0]
+
+
+def test_no_batched_point_to_point_anywhere():
+    """batch_isend_irecv runs a batch's operations as one group on one stream: a receive posted
+    in it would hold back every send behind it (each link must stay independent)."""
+    from pathlib import Path
+
+    import pipespec_mpi
+
+    root = Path(pipespec_mpi.__file__).parent
+    found = [p.name for p in root.rglob("*.py") if "batch_isend_irecv" in p.read_text()]
+    assert found == []
