@@ -306,8 +306,9 @@ class SamplingConfig:
 
 @dataclass
 class TransportConfig:
-    """How proposals travel: mpi | gloo | nccl | strict | auto (nccl where the node's ranks have
-    GPUs of their own, else mpi). strict: gloo holding the protocol to NCCL's rules (comm/strict.py)."""
+    """How proposals travel: mpi | gloo | nccl | strict | auto (nccl where the messages may carry
+    Leviathan's probability rows and the node's ranks have GPUs of their own, else mpi: token ids
+    live on the host). strict: gloo holding the protocol to NCCL's rules (comm/strict.py)."""
 
     kind: Transport = Transport.auto
     depth: int = 8  # receives posted ahead, and send buffers

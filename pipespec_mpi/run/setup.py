@@ -52,12 +52,21 @@ class PerfClock:
         return time.perf_counter()
 
 
-def resolve_transport(kind: str, platform: Platform, node: Sequence[RankGpus]) -> str:
-    """``transport.kind``; auto: NCCL where every rank of this node has GPUs no other rank of it
-    uses (by UUID), else MPI (NCCL refuses two ranks on one GPU, and needs one on every rank)."""
+def resolve_transport(kind: str, platform: Platform, node: Sequence[RankGpus], rows: bool = True) -> str:
+    """``transport.kind``; auto: NCCL only where the messages may carry rows that live on the GPU
+    (``rows``: Leviathan's probability rows) and every rank of this node has GPUs no other rank of
+    it uses (by UUID: NCCL refuses two ranks on one GPU, and needs one on every rank); else MPI.
+    Token ids start and end on the host, where NCCL would only add a copy each way and a kernel."""
     if kind != "auto":
         return kind
-    return "nccl" if platform.own_gpus(node) else "mpi"
+    return "nccl" if rows and platform.own_gpus(node) else "mpi"
+
+
+def rows_may_travel(cfg: AppConfig) -> bool:
+    """Whether a job of ``cfg`` may send probability rows between stages: Leviathan sampling,
+    at the configured temperature or at a row's own (``dataset=files`` rows may carry one)."""
+    may_sample = cfg.sampling.temperature > 0 or cfg.dataset.name in ("files", "jsonl")
+    return may_sample and cfg.sampling.coupling == "leviathan"
 
 
 def place_cpus(
@@ -119,7 +128,8 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     platform = current_platform()
     cuda_devices = platform.gpus(stage_gpus(cfg), pl.stage, world.local_rank)
     platform.bind(cuda_devices)  # before any CUDA work of this rank
-    transport = resolve_transport(cfg.transport.kind, platform, node_gpus(cfg, world, platform))
+    node = node_gpus(cfg, world, platform)
+    transport = resolve_transport(cfg.transport.kind, platform, node, rows_may_travel(cfg))
     p2p = rendezvous(cfg, world, transport, watchdog)
 
     with watchdog.phase("tokenizer"):

@@ -10,7 +10,7 @@ import pytest
 
 from pipespec_mpi.config import compose_config
 from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, node_gpus, stage_gpus
-from pipespec_mpi.run.setup import resolve_transport
+from pipespec_mpi.run.setup import resolve_transport, rows_may_travel
 
 
 def cfg(*over: str):
@@ -91,6 +91,17 @@ def test_auto_transport_takes_nccl_only_with_a_gpu_per_rank():
     assert resolve_transport("auto", SHARED_THREE, three.gpus(cfg())) == "nccl"
     assert resolve_transport("auto", CpuPlatform(), []) == "mpi"
     assert resolve_transport("gloo", SHARED_THREE, three.gpus(cfg())) == "gloo"
+
+
+def test_auto_sends_token_ids_over_mpi_and_only_rows_over_nccl():
+    """Token ids start and end on the host: NCCL only where Leviathan's rows may travel."""
+    three = Node(SHARED_THREE, SHARED_THREE, SHARED_THREE).gpus(cfg())
+    assert resolve_transport("auto", SHARED_THREE, three, rows=False) == "mpi"
+    assert resolve_transport("nccl", SHARED_THREE, three, rows=False) == "nccl"  # asked for: kept
+    assert not rows_may_travel(cfg())  # greedy
+    assert rows_may_travel(cfg("sampling.temperature=0.7"))
+    assert not rows_may_travel(cfg("sampling.temperature=0.7", "sampling.coupling=gumbel"))
+    assert rows_may_travel(cfg("dataset=files", "dataset.path=x.jsonl"))  # a row may sample
 
 
 def test_a_model_free_stage_needs_no_gpu_and_keeps_nccl_away():
