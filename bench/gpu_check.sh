@@ -16,7 +16,8 @@
 #    forward checked to be what the engine says (whole graphs, at most a few, CUDA graphs captured
 #    with no skip); CPU: the toy shape, eager: OUT_DIR/profile.json;
 # 3. AR, SD and PipeSpec through mpirun at batch 1 and 8 (CPU: 1 and 4): GPU: random_smollm2
-#    (2 ranks) and random_llama3 (3 ranks) compiled, their transport NCCL where the job's ranks
+#    (2 ranks) and random_llama3 (3 ranks, once more with its 8B in int4, the quantized stage)
+#    compiled, their transport NCCL where the job's ranks
 #    have a GPU each (an NCCL link from 2 GPUs on), else MPI; CPU: random_toy (float64) on the
 #    GPU's plug-ins (device.kernels=portable) over transport.kind=strict (gloo under NCCL's rules).
 #    Outputs against AR's at batch 1 (bench/gpu_check.py job): on a GPU by the near-tie rule
@@ -71,7 +72,8 @@ if [ "$MODE" = gpu ]; then
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
   PROFILE=(--models 135M,1B,8B --compile)
   PROFILE_TIMEOUT=240
-  JOBS=("random_smollm2 2" "random_llama3 3")
+  # the last: random_llama3 with its 8B in the engine's int4 (the paper's 70B runs so)
+  JOBS=("random_smollm2 2" "random_llama3 3" "random_llama3 3 hierarchy.stages.2.quantization=int4")
   JOB_ARGS=("run.batch_sizes=[1,8]" dataset.n_prompts=8 decode.max_new_tokens=48 device.compile=true)
   JOB_TIMEOUT=150
   CHECK=(--compiled --epsilon "${TIE_EPSILON:-0.0625}")
@@ -102,22 +104,24 @@ took "$t0"
 step "3. AR, SD and PipeSpec through mpirun"
 RUNS=()
 for spec in "${JOBS[@]}"; do
-  read -r hier ranks <<< "$spec"
+  read -r hier ranks extra <<< "$spec"
+  name=$hier${extra:+-int4}
   transport=()
   if [ "$MODE" = gpu ]; then
     transport=(transport.kind=mpi)
     [ "$NGPU" -ge "$ranks" ] && transport=(transport.kind=nccl)
   fi
-  echo "-- hierarchy=$hier ($ranks ranks) ${transport[*]:-}"
+  echo "-- hierarchy=$hier $extra ($ranks ranks) ${transport[*]:-}"
   t0=$(date +%s)
-  RUNS+=("$OUT/$hier")
-  if timeout "$JOB_TIMEOUT" "$MPIRUN" -n "$ranks" "$PY" -m pipespec_mpi hierarchy="$hier" run.mode=benchmark \
+  RUNS+=("$OUT/$name")
+  # shellcheck disable=SC2086  # extra: overrides, split on spaces
+  if timeout "$JOB_TIMEOUT" "$MPIRUN" -n "$ranks" "$PY" -m pipespec_mpi hierarchy="$hier" $extra run.mode=benchmark \
     "run.methods=[ar,sd,pipespec]" dataset=synthetic "${JOB_ARGS[@]}" "${transport[@]}" run.progress=false \
-    hydra.run.dir="$OUT/$hier" < /dev/null > "$OUT/$hier.log" 2>&1; then
-    grep -A8 "^method" "$OUT/$hier.log" | sed 's/^/  /' || true
-    "$PY" bench/gpu_check.py job "$OUT/$hier" "${CHECK[@]}" || FAIL=1
+    hydra.run.dir="$OUT/$name" < /dev/null > "$OUT/$name.log" 2>&1; then
+    grep -A8 "^method" "$OUT/$name.log" | sed 's/^/  /' || true
+    "$PY" bench/gpu_check.py job "$OUT/$name" "${CHECK[@]}" || FAIL=1
   else
-    echo "  failed (rc $?): see $OUT/$hier.log"; tail -20 "$OUT/$hier.log"; FAIL=1
+    echo "  failed (rc $?): see $OUT/$name.log"; tail -20 "$OUT/$name.log"; FAIL=1
   fi
   took "$t0"
 done

@@ -11,6 +11,7 @@ rank sleeping on the doorbell, host/doorbell.py). The stage loop and the decodin
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 from collections.abc import Sequence
@@ -130,6 +131,13 @@ class CudaPlatform:
                     f"hierarchy.stages.{i}.n_gpus={s.n_gpus} but a rank here sees {self.count} GPU(s) "
                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower it, or "
                     f"give each rank {s.n_gpus} (srun --gpus-per-task={s.n_gpus}, or a node with more)"
+                )
+        for i, s in enumerate(stages):
+            if s.quantization.startswith("bnb") and importlib.util.find_spec("bitsandbytes") is None:
+                out.append(
+                    f"hierarchy.stages.{i}.quantization={s.quantization} needs bitsandbytes, which is not "
+                    "installed (pip install bitsandbytes); or quantization=int4, the engine's own (no "
+                    "package)"
                 )
         both = shared(node)
         if cfg.transport.kind == "nccl":

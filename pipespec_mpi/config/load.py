@@ -169,6 +169,15 @@ def validate(cfg: AppConfig) -> list[str]:
             p.append(f"{where}.noise={s.noise}: must be >= 0")
         if s.n_gpus < 1:
             p.append(f"{where}.n_gpus={s.n_gpus}: must be >= 1")
+        if s.quantization == "int4":
+            if s.kind not in ("hf", "gguf", "smollm2", "random"):
+                p.append(f"{where}.quantization=int4: for a checkpoint's model (kind hf, gguf, smollm2, "
+                         f"random), not kind={s.kind}")  # fmt: skip
+            if s.int4_group not in (32, 64, 128, 256):
+                p.append(f"{where}.int4_group={s.int4_group}: one of 32, 64, 128, 256")
+            if s.n_gpus != 1:
+                p.append(f"{where}.n_gpus={s.n_gpus}: quantization=int4 runs a stage on one GPU (a 70B is "
+                         "~37 GB); the engine does not split a stage's layers over GPUs")  # fmt: skip
         if s.threads is not None and s.threads < 1:
             p.append(f"{where}.threads={s.threads}: must be >= 1")
     if h.stages and h.stages[-1].kind in DRAFTER_KINDS:

@@ -67,6 +67,7 @@ class DType(Choice):
 
 class Quantization(Choice):
     none = "none"
+    int4 = "int4"  # the engine's weight-only int4 (models/int4.py): torch's tinygemm, no package
     int8_dynamic = "int8_dynamic"
     bnb_4bit = "bnb_4bit"
     bnb_8bit = "bnb_8bit"
@@ -176,12 +177,13 @@ class StageConfig:
     dtype: DType = DType.float32
     device: str = "auto"
     quantization: Quantization = Quantization.none
+    int4_group: int = 128  # quantization=int4: inputs per scale and zero
     n_gpus: int = 1
     threads: int | None = None
     trust_remote_code: bool = False
     layers: int | None = None
     noise: float = 0.0
-    shape: str | None = None  # random: a name of config/shapes.py SHAPES (toy, 135M, 1B, 8B, 70B)
+    shape: str | None = None  # random: a name of config/shapes.py SHAPES (toy, 135M, 1B, 8B, 70B, 70B-mini)
     copy_of: int | None = None
     weights: WeightFormat = WeightFormat.int8  # lowbit_copy: the stored format; int8 by measurement
     dense_rows: int | None = None  # lowbit_copy: forwards of this many rows or more (prefills, wide

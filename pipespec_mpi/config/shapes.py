@@ -16,6 +16,10 @@ SHAPES: dict[str, dict] = {
                num_key_value_heads=8, vocab_size=128256),
     "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, vocab_size=128256),
+    # the 70B's proportions (GQA 8, head_dim and intermediate/hidden as the 70B's) at a CI size whose
+    # linears int4 can take (inputs multiples of 128)
+    "70B-mini": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=1, vocab_size=512, tie_word_embeddings=False),
 }  # fmt: skip
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pipespec_mpi.models.attention import GridAttention
+from pipespec_mpi.models.int4 import Int4Linear
 from pipespec_mpi.models.rows import Attention, Batch
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [..., in] -> [..., out]: a module or a function
@@ -133,7 +134,9 @@ class Weights:
         if self.attention.layout != "grid":
             return f"attention {self.attention!r} is not torch's"
         parts = [p for m in self.linears() for p in (m.parts if isinstance(m, Concat) else [m])]
-        odd = sorted({type(p).__name__ for p in parts if type(p) not in (torch.nn.Linear, Float32Head)})
+        odd = sorted(
+            {type(p).__name__ for p in parts if type(p) not in (torch.nn.Linear, Float32Head, Int4Linear)}
+        )
         if odd:
             return f"linears {', '.join(odd)} are not torch's"
         if self.act is not silu:

@@ -154,7 +154,15 @@ def load_stage(
     device = resolve_device(stage, cuda_devices)
     if stage.kind in ("int8_copy", "lowbit_copy"):  # copies on the CPU kernels (or fbgemm)
         device = torch.device("cpu")
-    model = _load_torch_model(hier, index, device, cuda_devices).eval()
+    if stage.quantization == "int4":  # read on the host, quantized onto the device linear by linear
+        from pipespec_mpi.models.int4 import quantize_int4
+
+        model = quantize_int4(
+            _load_torch_model(hier, index, torch.device("cpu"), []), device, stage.int4_group
+        )
+    else:
+        model = _load_torch_model(hier, index, device, cuda_devices)
+    model = model.eval()
     exact_rows = stage.exact_rows
     if exact_rows is None and index == hier.n_stages - 1:
         exact_rows = True  # the output's stage: exact with or without the row kernel
