@@ -57,7 +57,9 @@ def job(name: str, run_dir: Path, common: list[str], env: dict) -> dict:
     plan = run_dir / "plan.json"
     if plan.exists():
         p = json.loads(plan.read_text())
-        row["plan"] = {"runs": p.get("runs"), "calibration_s": p.get("calibration_s")}
+        row["plan"] = {"runs": p.get("runs"), "calibration_s": p.get("calibration_s"),
+                       "online_vs_predicted": p.get("online_vs_predicted", {}),
+                       "refit_used": (p.get("inputs") or {}).get("refit", [])}  # fmt: skip
     return row
 
 
@@ -102,6 +104,11 @@ def main() -> int:
                     line += f"  [{o['current']}; runs {o['runs']}]"
                 if "plan" in r and r["plan"]["runs"]:
                     line += f"  [auto runs {r['plan']['runs'].get('hierarchy')}]"
+                    vs = r["plan"]["online_vs_predicted"]
+                    if vs:  # the offline plan's predictions (refit by earlier jobs) against this job
+                        line += "  [measured/predicted: " + ", ".join(
+                            f"{k} {v['measured'] / v['predicted']:.2f}" for k, v in vs.items() if v["predicted"]
+                        ) + f"; refit from {len(r['plan']['refit_used'])} ratios]"
                 print(line, flush=True)
                 kept = {k: v for k, v in r.items() if k != "outputs"}
                 report.append({"dataset": ds, "round": rnd, "job": name, **kept, "outputs_equal_ar": same})
