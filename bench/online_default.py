@@ -106,9 +106,10 @@ def main() -> int:
                     line += f"  [auto runs {r['plan']['runs'].get('hierarchy')}]"
                     vs = r["plan"]["online_vs_predicted"]
                     if vs:  # the offline plan's predictions (refit by earlier jobs) against this job
-                        line += "  [measured/predicted: " + ", ".join(
-                            f"{k} {v['measured'] / v['predicted']:.2f}" for k, v in vs.items() if v["predicted"]
-                        ) + f"; refit from {len(r['plan']['refit_used'])} ratios]"
+                        ratios = [f"{k} {v['measured'] / v['predicted']:.2f}"
+                                  for k, v in vs.items() if v["predicted"]]  # fmt: skip
+                        used = len(r["plan"]["refit_used"])
+                        line += f"  [measured/predicted: {', '.join(ratios)}; refit from {used} ratios]"
                 print(line, flush=True)
                 kept = {k: v for k, v in r.items() if k != "outputs"}
                 report.append({"dataset": ds, "round": rnd, "job": name, **kept, "outputs_equal_ar": same})
