@@ -5,7 +5,7 @@ is world rank r*k + s. With ``srun``/``mpirun`` filling nodes in order, each rep
 on consecutive ranks (the same node where they fit), which keeps proposal traffic node-local.
 
 A route is a sub-pipeline of the hierarchy that a job may decode on instead of all of it (the
-online plan, plan/online.py): its stages in order, ending with the last; the replica's other
+online plan, run/online.py): its stages in order, ending with the last; the replica's other
 stages sit that job out. ``Placement.on_route`` is a rank's place on one.
 """
 

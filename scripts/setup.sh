@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything pipespec_mpi needs. Idempotent: a second run only checks.
 #
-#   bash scripts/setup.sh [--cuda | --cpu] [--site-mpi | --mpich] [--with-plots] [--dry-run]
+#   bash scripts/setup.sh [--cuda | --cpu] [--site-mpi | --mpich] [--dry-run]
 #
 # torch: --cuda installs a CUDA build (the default where nvidia-smi lists a GPU): PyPI's Linux
 #   wheel, or the index TORCH_INDEX_URL names (https://download.pytorch.org/whl/cu126, ...);

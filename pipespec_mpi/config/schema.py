@@ -17,7 +17,7 @@ class Method(Choice):
     ar = "ar"
     sd = "sd"
     pipespec = "pipespec"
-    online = "online"  # each prompt on the plan the online plan picks (OnlineConfig, plan/online.py)
+    online = "online"  # each prompt on the plan the online plan picks (OnlineConfig, run/online.py)
 
 
 class Policy(Choice):
@@ -294,7 +294,7 @@ class DecodeConfig:
 
 @dataclass
 class SamplingConfig:
-    """temperature 0 = greedy. Otherwise exact sampling through the hierarchy (spec/sampling.py);
+    """temperature 0 = greedy. Otherwise exact sampling through the hierarchy (speculative/sampling.py);
     ``num_samples`` independent samples per prompt, each its own results line."""
 
     temperature: float = 0.0
@@ -401,7 +401,7 @@ class AutoConfig:
 
 @dataclass
 class OnlineConfig:
-    """How ``method=online`` picks each prompt's plan (plan/online.py): a bandit over AR and
+    """How ``method=online`` picks each prompt's plan (run/online.py): a bandit over AR and
     ``methods`` on each of ``routes``, by the ms per token each measures on the job's own prompts.
     Greedy and Gumbel outputs are the same on every plan; Leviathan sampling's are not, so a
     prompt that samples by it runs the whole hierarchy's PipeSpec (docs/online.md)."""
