@@ -197,14 +197,17 @@ def add_measured(
 
 
 def online_observations(plan: Plan, online: dict) -> dict[tuple[str, int], Observation]:
-    """Each plan the online plan measured (``online.json``: its name and batch size) with its
+    """Each plan the online plan ran in this job (``online.json``: its name and batch size) with its
     measured ms/token and the offline plan's prediction for its method on its stages at that
     batch size (0: not predicted)."""
     pipeline, _ = online_pipeline(plan)
     out = {}
     for batch, node in online.items():
         b = int(batch)
+        ran = node.get("runs", {})
         for name, ms in node.get("ms_per_token", {}).items():
+            if not ran.get(name):  # an estimate remembered from an earlier job, not measured in this one
+                continue
             method, _, route = name.partition(" ")
             stages = (pipeline[-1],) if method == "ar" else tuple(pipeline[i] for i in parse_route(route))
             predicted = [o.ms_per_token for o in plan.options

@@ -105,7 +105,8 @@ def test_an_online_job_refits_every_plan_it_measured(tmp_path, monkeypatch):
     """add_measured: each plan of online.json against its prediction, into plan.json and the
     node's refit; the next plan from the same measurements predicts what this job measured."""
     first = plan(Refit())
-    online = {"1": {"ms_per_token": {"pipespec 0-2": 8.0, "pipespec 0-1-2": 13.0, "ar": 10.0}}}
+    ms = {"pipespec 0-2": 8.0, "pipespec 0-1-2": 13.0, "ar": 10.0}
+    online = {"1": {"ms_per_token": ms, "runs": {"pipespec 0-2": 12, "pipespec 0-1-2": 1, "ar": 1}}}
     (tmp_path / "online.json").write_text(json.dumps(online))
     monkeypatch.setattr(
         job,
@@ -128,6 +129,15 @@ def test_an_online_job_refits_every_plan_it_measured(tmp_path, monkeypatch):
         measured = {SPEC: 8.0, THREE: 13.0, ("smollm2",): 10.0}[o.pipeline]
         assert o.ms_per_token == pytest.approx(measured, rel=1e-3)
     assert read_plan(tmp_path).refit_next == after.refit_next
+    # a later job that ran only 0-2 and AR: 0-1-2's estimate in its online.json is remembered
+    # from this one (the online plan's memory), not measured again, so it refits nothing
+    online["1"]["runs"] = {"pipespec 0-2": 13, "ar": 1, "pipespec 0-1-2": 0}
+    (tmp_path / "online.json").write_text(json.dumps(online))
+    record = PlanRecord(again, cal, "h", None, None, SimpleNamespace(refit=after.refit_next, to_json=dict))
+    later = job.add_measured(tmp_path, record, off_factor=2.0, memory=kept)
+    assert set(later.online_vs_predicted) == {"pipespec 0-2", "ar"}
+    (three,) = [r for r in later.refit_next.ratios if r.pipeline == THREE]
+    assert three.jobs == 1  # not counted twice
 
 
 def test_a_later_job_observes_against_the_refit_prediction():
