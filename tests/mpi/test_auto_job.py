@@ -69,14 +69,17 @@ def test_auto_chooses_runs_losslessly_and_plans_from_the_cache_the_second_time(t
 
 
 def test_auto_under_the_online_plan_measures_its_routes_losslessly(tmp_path, ar):
-    """The default method (online): auto runs its three stages, the online plan measures the
+    """The default method (online): auto runs its chosen stages, the online plan measures the
     routes it ordered by prediction, and plan.json sets each measured plan beside its prediction."""
     cache = f"auto.cache_dir={tmp_path / 'cache'}"
     recs = launch_ok(
         3, [*TINY, "hierarchy.choose=true", "auto.off_factor=100", *QUICK, cache], tmp_path / "auto"
     )
     plan = json.loads((tmp_path / "auto" / "plan.json").read_text())
-    assert plan["runs"]["method"] == "online" and plan["runs"]["hierarchy"].count("+") == 2
+    # its stages: the longest pipeline holding the fastest predicted option (with the tiny models'
+    # costs timed on a busy machine, a drafter may be measured slower than the target and left
+    # out: then two stages)
+    assert plan["runs"]["method"] == "online" and plan["runs"]["hierarchy"].count("+") in (1, 2)
     assert {r.method for r in recs} == {"online"} and outputs(recs) == ar
     ran = {r.decoded_by for r in recs}
     assert len(ran) >= 2  # three prompts, each on another plan while it explores (AR and a route at least)
