@@ -47,6 +47,9 @@ class Int4Linear(torch.nn.Module):
         super().__init__()
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        if packed.device.type == "cuda":  # fixed addresses: CUDA graphs read them in place (engine.static)
+            torch._dynamo.mark_static_address(packed)
+            torch._dynamo.mark_static_address(scales_and_zeros)
         self.in_features, self.out_features, self.group = in_features, scales_and_zeros.shape[1], group
         self.on_cuda = packed.device.type == "cuda"
 
