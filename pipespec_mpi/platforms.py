@@ -221,12 +221,16 @@ def compute_modes() -> dict[str, str]:
     return modes
 
 
-def node_gpus(cfg: AppConfig, world, platform: Platform) -> list[RankGpus]:
-    """Every rank of this rank's node with the GPUs it takes (collective over ``world.comm``)."""
-    n = max(1, cfg.hierarchy.n_stages)
-    stage = world.rank % n
-    devices = platform.gpus(stage_gpus(cfg), stage, world.local_rank)
-    everyone = world.comm.allgather((world.hosts[world.rank], platform.rank_gpus(world.rank, stage, devices)))
+def rank_devices(cfg: AppConfig, world, platform: Platform) -> list[int]:
+    """The device indices this rank's stage computes on (none on a CPU or for a model-free stage)."""
+    return platform.gpus(stage_gpus(cfg), world.rank % max(1, cfg.hierarchy.n_stages), world.local_rank)
+
+
+def node_gpus(cfg: AppConfig, world, platform: Platform, devices: Sequence[int]) -> list[RankGpus]:
+    """Every rank of this rank's node with the GPUs it takes (``devices``: this rank's,
+    ``rank_devices``; collective over ``world.comm``)."""
+    mine = platform.rank_gpus(world.rank, world.rank % max(1, cfg.hierarchy.n_stages), devices)
+    everyone = world.comm.allgather((world.hosts[world.rank], mine))
     return [r for host, r in everyone if host == world.hosts[world.rank]]
 
 
@@ -234,6 +238,6 @@ def check(cfg: AppConfig, world, platform: Platform | None = None) -> None:
     """Raise ``PlatformError`` naming every setting this node's device cannot run (collective:
     every rank of the world calls it)."""
     platform = platform or current_platform()
-    found = platform.problems(cfg, node_gpus(cfg, world, platform))
+    found = platform.problems(cfg, node_gpus(cfg, world, platform, rank_devices(cfg, world, platform)))
     if found:
         raise PlatformError("; ".join(found))

@@ -28,7 +28,7 @@ from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
 from pipespec_mpi.host.placement import CpuPlacement, share_cpus
-from pipespec_mpi.platforms import Platform, RankGpus, current_platform, node_gpus, stage_gpus
+from pipespec_mpi.platforms import Platform, RankGpus, current_platform, node_gpus, rank_devices
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.online import extra_routes
 from pipespec_mpi.run.rows import RowFeed
@@ -126,9 +126,9 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     stage_cfg = cfg.hierarchy.stages[pl.stage]
     cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, extra_routes(cfg))
     platform = current_platform()
-    cuda_devices = platform.gpus(stage_gpus(cfg), pl.stage, world.local_rank)
+    cuda_devices = rank_devices(cfg, world, platform)
     platform.bind(cuda_devices)  # before any CUDA work of this rank
-    node = node_gpus(cfg, world, platform)
+    node = node_gpus(cfg, world, platform, cuda_devices)
     transport = resolve_transport(cfg.transport.kind, platform, node, rows_may_travel(cfg))
     p2p = rendezvous(cfg, world, transport, watchdog)
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, node_gpus, stage_gpus
+from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, node_gpus, rank_devices
 from pipespec_mpi.run.setup import resolve_transport, rows_may_travel
 
 
@@ -49,11 +49,12 @@ class Node:
     def _of(self, rank: int, platform: CudaPlatform, c=None):
         c = c or cfg()
         n = c.hierarchy.n_stages
-        devices = platform.gpus(stage_gpus(c), rank % n, rank)
+        devices = rank_devices(c, SimpleNamespace(rank=rank, local_rank=rank), platform)
         return "n", platform.rank_gpus(rank, rank % n, devices)
 
     def gpus(self, c) -> list:
-        return node_gpus(c, self.world(0), self.sees[0])
+        world = self.world(0)
+        return node_gpus(c, world, self.sees[0], rank_devices(c, world, self.sees[0]))
 
 
 SHARED_ONE = CudaPlatform(1, ("u0",))  # three ranks seeing the node's one GPU

@@ -77,6 +77,18 @@ def test_a_half_precision_head_gives_float32_logits_not_rounded_to_half():
     assert not torch.equal(got, got.bfloat16().float())
 
 
+def alone_and_together(slots, seqs, proposals, asked, room: int):
+    """Each slot's logits of its proposal in a forward of its own (rolled back after), then those
+    of the ``asked`` slots in one ``score_many``."""
+    for sc, seq in zip(slots, seqs, strict=True):
+        sc.prefill(seq, room=room)
+    alone = []
+    for sc, seq, prop in zip(slots, seqs, proposals, strict=True):
+        alone.append(sc.logits(seq, prop))
+        sc.truncate(len(seq) - 1)
+    return alone, slots[0].score_many([(slots[i], seqs[i], proposals[i]) for i in asked])
+
+
 def test_slots_in_one_forward_equal_each_alone():
     """Slots of different lengths, verifying different counts in one padded forward, give each
     slot's rows as its own forward does (float64: bitwise); a slot not asked for is untouched."""
@@ -84,14 +96,8 @@ def test_slots_in_one_forward_equal_each_alone():
     slots = [EngineScorer("s", engine) for _ in range(4)]
     seqs = [PROMPT[: 8 + 6 * i] for i in range(4)]
     proposals = [[], [3, 4], [5, 6, 7, 8], list(range(10, 26))]
-    for sc, seq in zip(slots, seqs, strict=True):
-        sc.prefill(seq, room=24)
-    alone = []
-    for sc, seq, prop in zip(slots, seqs, proposals, strict=True):
-        alone.append(sc.logits(seq, prop))
-        sc.truncate(len(seq) - 1)
     asked = [0, 1, 3]  # slot 2 sits this forward out
-    got = slots[0].score_many([(slots[i], seqs[i], proposals[i]) for i in asked])
+    alone, got = alone_and_together(slots, seqs, proposals, asked, room=24)
     for i, rows in zip(asked, got, strict=True):
         assert torch.equal(rows, alone[i]), i
     want = [len(s) + len(p) if i in asked else len(s) - 1 for i, (s, p) in enumerate(zip(seqs, proposals))]

@@ -13,7 +13,7 @@ from pipespec_mpi.models.loader import load_stage
 from pipespec_mpi.models.scorer import Engine, EngineScorer, compile_forward
 from pipespec_mpi.platforms import CudaPlatform
 
-from .test_engine import stage_schedule
+from .test_engine import alone_and_together, stage_schedule
 
 PROMPT = [(5 * i + 1) % 500 for i in range(30)]
 PAPER_70B = [
@@ -63,13 +63,7 @@ def test_the_paper_70b_stage_runs_int4_in_the_engine_and_batches_its_slots(kerne
     slots = [scorer] + [EngineScorer("s", scorer.engine) for _ in range(2)]
     seqs = [PROMPT[: 10 + 7 * i] for i in range(3)]
     proposals = [[3, 4], [], [5, 6, 7, 8, 9]]
-    for sc, seq in zip(slots, seqs, strict=True):
-        sc.prefill(seq, room=16)
-    alone = []
-    for sc, seq, prop in zip(slots, seqs, proposals, strict=True):
-        alone.append(sc.logits(seq, prop))
-        sc.truncate(len(seq) - 1)
-    got = slots[0].score_many([(sc, seq, prop) for sc, seq, prop in zip(slots, seqs, proposals, strict=True)])
+    alone, got = alone_and_together(slots, seqs, proposals, asked=[0, 1, 2], room=16)
     for a, b in zip(alone, got, strict=True):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
