@@ -21,8 +21,22 @@ class Method(Choice):
 
 
 class Policy(Choice):
+    """PipeSpec's decisions (speculative/policy.py): the paper's fixed rule, or by expected
+    tokens per second from running estimates."""
+
     static = "static"
     adaptive = "adaptive"
+
+    @property
+    def learns(self) -> bool:
+        """Decides on estimates it learns from the stage's forwards and verdicts (AdaptivePolicy)."""
+        return self is Policy.adaptive
+
+    @property
+    def shares_rows(self) -> bool:
+        """A batched stage's slots share one budget of verification rows by survival, rather than
+        each capped at ``batch_verify_rows // B - 1`` (stage/batch.py)."""
+        return self is Policy.adaptive
 
 
 class Mode(Choice):
@@ -281,8 +295,8 @@ class DecodeConfig:
 
     def for_batch(self, batch: int) -> DecodeConfig:
         """These settings for a stage of ``batch`` slots (``batch_verify_rows``)."""
-        if batch <= 1 or self.batch_verify_rows is None or self.policy == "adaptive":
-            return self  # adaptive: the slots share the rows by survival (stage/batch.py)
+        if batch <= 1 or self.batch_verify_rows is None or Policy(self.policy).shares_rows:
+            return self
         return replace(self, max_verify=max(1, min(self.max_verify, self.batch_verify_rows // batch - 1)))
 
     def window(self, method: str) -> int:

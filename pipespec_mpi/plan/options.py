@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.config.schema import Policy
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,7 @@ class Setting:
     method: str  # ar | sd | pipespec
     window: int = 0  # SD's window (decode.sd_window) or PipeSpec's lookahead; 0 for AR and adaptive
     run_ahead: int = 0  # PipeSpec's decode.max_run_ahead (0: the configured one)
-    policy: str = "static"  # PipeSpec's decode.policy
+    policy: Policy = Policy.static  # PipeSpec's decode.policy
     batch_size: int = 1
 
     def decode(self, base: DecodeConfig) -> DecodeConfig:
@@ -42,7 +43,7 @@ class Option:
     speedup: float  # over AR at batch 1
     run_ahead: int = 0
     batch_size: int = 1
-    policy: str = "static"
+    policy: Policy = Policy.static
 
     @property
     def setting(self) -> Setting:
@@ -81,7 +82,7 @@ class Grid:
                 if la <= decode.max_verify and la <= ahead
             ]
             if self.adaptive:
-                out.append(Setting("pipespec", 0, r, "adaptive"))
+                out.append(Setting("pipespec", 0, r, Policy.adaptive))
         return out
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, HierarchyConfig, StageConfig
+from pipespec_mpi.config.schema import Policy
 from pipespec_mpi.plan.options import Option, Plan
 from pipespec_mpi.plan.sources import PlanInputs, hierarchy_presets, stage_defs_of
 from pipespec_mpi.run.jobs import job_methods
@@ -133,8 +134,8 @@ def overrides(o: Option, inp: PlanInputs) -> str:
     parts = [f"method={o.method}"]
     if o.method == "sd":
         parts.append(f"decode.sd_window={o.window}")
-    elif o.policy == "adaptive":
-        parts.append("decode.policy=adaptive")
+    elif Policy(o.policy).learns:
+        parts.append(f"decode.policy={o.policy}")
     elif o.method == "pipespec":
         parts.append(f"decode.lookahead={o.window}")
     if o.method == "pipespec" and o.run_ahead:

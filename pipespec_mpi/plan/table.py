@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 
 from pipespec_mpi.analysis import table as layout
 from pipespec_mpi.analysis.table import Column
+from pipespec_mpi.config.schema import Policy
 from pipespec_mpi.plan.options import Option, Plan
 
 COLUMNS = (
@@ -28,7 +29,7 @@ NOTE = (
 
 def option_cells(o: Option, chosen: Option | None = None) -> list[str]:
     """One row's cells after the row number."""
-    win = "-" if o.method == "ar" else "ad" if o.policy == "adaptive" else str(o.window)
+    win = "-" if o.method == "ar" else "ad" if Policy(o.policy).learns else str(o.window)
     return [
         o.method,
         " -> ".join(o.pipeline),

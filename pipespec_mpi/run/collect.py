@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipespec_mpi.config import AppConfig
+from pipespec_mpi.config.schema import Policy
 from pipespec_mpi.records import Record, drop_torn_tail
 from pipespec_mpi.run.jobs import Job
 from pipespec_mpi.stage.deal import END, JobQueue
@@ -199,7 +200,7 @@ class RecordAssembler:
             max_run_ahead=cfg.decode.max_run_ahead,
             max_verify=cfg.decode.max_verify,
             policy=cfg.decode.policy,
-            draft_survival=cfg.decode.draft_survival if cfg.decode.policy == "adaptive" else None,
+            draft_survival=cfg.decode.draft_survival if Policy(cfg.decode.policy).learns else None,
             max_new_tokens=job.max_new_tokens or cfg.decode.max_new_tokens,
             transport=self.transport,
             epochs_window=self.epochs_window,

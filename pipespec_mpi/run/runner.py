@@ -285,9 +285,8 @@ class Runner:
                 part = self.online.agree(part, links.replica_comm, self._replica_wait(loops))
             size = part[0].batch_size
             b = min(size, len(part))
-            # between phases (no prompt in flight): its settings, what was learned kept
-            for loop in self._all_loops():
-                loop.policy = loop.policy.with_config(self.cfg.decode.for_batch(size))
+            for loop in self._all_loops():  # between phases: no prompt in flight
+                loop.enter_phase(self.cfg.decode.for_batch(size))
             queue = None if b == 1 else JobQueue(len(part))
             slots = [slot(s, part, queue) for s in range(b)]
             stepper = slots[0] if b == 1 else self._batched(slots)

@@ -41,7 +41,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from pipespec_mpi.speculative.goodput import RowCost, allot_rows
-from pipespec_mpi.speculative.policy import Act
+from pipespec_mpi.speculative.policy import Act, Cut
 from pipespec_mpi.speculative.verifiers import check_all
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock, Scorer
@@ -162,7 +162,7 @@ class BatchedStage:
         out = []
         for (slot, f), k in zip(forwards, allot_rows(surv, budget, self.row_cost.line()), strict=True):
             if f.act is Act.VERIFY and k < len(f.proposal):
-                slot.loop.stats.verify_cut += 1
+                slot.loop.policy.observe(Cut())
                 f = Forward(Act.VERIFY, f.seq, f.proposal[:k]) if k else Forward(Act.OWN, f.seq, [])
             out.append((slot, f))
         return out

@@ -3,12 +3,10 @@ so a rollback prices what it threw away and the policy learns which run-ahead su
 
 from __future__ import annotations
 
-from pipespec_mpi.speculative.policy import Policy
-
 
 class Ledger:
     """One entry per token the stage holds; ``fated``: the tokens before it had their fate
-    (kept or thrown away by the downstream) told to the policy."""
+    (kept or thrown away by the downstream) given out (``judged``)."""
 
     def __init__(self) -> None:
         self.cost: list[float] = []  # compute seconds per token
@@ -29,13 +27,13 @@ class Ledger:
         self.cost = self.cost[:keep] + [0.0] * (length - keep)
         return thrown_s
 
-    def judged(self, policy: Policy, keep: int, confirmed: int, thrown_to: int = 0) -> None:
-        """Tell ``policy`` the fate of the tokens the downstream has now judged: kept up to
-        ``confirmed``, thrown away from ``keep`` to ``thrown_to`` (the length before a rollback)."""
-        for i in range(self.fated, confirmed):
-            if self.ahead[i] > 0:
-                policy.fate(self.ahead[i], True)
-        for i in range(max(self.fated, keep), thrown_to):
-            if self.ahead[i] > 0:
-                policy.fate(self.ahead[i], False)
+    def judged(self, keep: int, confirmed: int, thrown_to: int = 0) -> list[tuple[int, bool]]:
+        """The fates of the tokens the downstream has judged since the last call, as (how far
+        ahead it was committed, kept), in order: kept up to ``confirmed``, thrown away from
+        ``keep`` to ``thrown_to`` (the length before a rollback). Adopted tokens have none."""
+        kept = [(self.ahead[i], True) for i in range(self.fated, confirmed) if self.ahead[i] > 0]
+        thrown = [
+            (self.ahead[i], False) for i in range(max(self.fated, keep), thrown_to) if self.ahead[i] > 0
+        ]
         self.fated = min(max(self.fated, confirmed), keep)
+        return kept + thrown

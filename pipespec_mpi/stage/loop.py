@@ -25,7 +25,18 @@ from dataclasses import dataclass
 import torch
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.speculative.policy import Act, Decision, Policy, View, make_policy
+from pipespec_mpi.speculative.policy import (
+    Act,
+    Arrived,
+    Decision,
+    Fate,
+    Forwarded,
+    Judged,
+    Policy,
+    Restarted,
+    View,
+    make_policy,
+)
 from pipespec_mpi.speculative.sequence import Inbox, adopt
 from pipespec_mpi.speculative.verifiers import Checked, Question, Verifier, check_all
 from pipespec_mpi.stage.ledger import Ledger
@@ -86,8 +97,15 @@ class StageLoop:
 
     @property
     def cfg(self) -> DecodeConfig:
-        """The decode settings, the policy's (a batched phase hands the loop a policy for its own)."""
+        """The decode settings, the policy's (a phase's: ``enter_phase``)."""
         return self.policy.cfg
+
+    def enter_phase(self, decode: DecodeConfig) -> None:
+        """Between prompts: decide under a phase's settings (a batch size's, DecodeConfig.for_batch)
+        by a policy made for them from this one, what it learned carried over."""
+        if self.seq >= 0 and self.finish_reason is None:
+            raise RuntimeError(f"stage {self.role.stage}: a phase change with prompt {self.seq} in flight")
+        self.policy = self.policy.for_phase(decode)
 
     # ------------------------------------------------------------------ prompt boundaries
     def reset(self, seq: int) -> None:
@@ -148,7 +166,7 @@ class StageLoop:
         if not self.is_scorer and self.finish_reason != "idle":
             self.stats.drafter = self.model.end_sequence(self.out[: self._confirmed()])
         if self.finish_reason != "idle":
-            self.stats.policy_state = self.policy.snapshot()
+            self.stats.chose(*self.policy.report())
         self._publish(done=True)
         return StageOutcome(list(self.out), self.finish_reason or "done", t - self.trace.t_start, self.stats)
 
@@ -197,9 +215,9 @@ class StageLoop:
             return Step.DONE
         d = self._decide(joining)
         self.want, self.idle = d.want, d.idle
-        self.waits_for_upstream = self.policy.waits_by_choice(d)
+        self.waits_for_upstream = d.chosen
         t = self.clock.now()
-        self.recheck_at = self.policy.recheck_at(d, t) if self.waits_for_upstream else None
+        self.recheck_at = self.policy.recheck_at(d, t) if d.chosen else None
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._wait_ends(t)
             proposal = self.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
@@ -242,11 +260,9 @@ class StageLoop:
             lookup=not self.is_scorer, committed=len(self.out), capped=self._capped,
             down_committed=down.length if down else 0, down_want=down.want if down else 0,
             pending=len(self.inbox.tokens), want=self.want, upstream_free=self.role.upstream_free,
-            joining=joining,
+            joining=joining, waiting=self.trace.wait_t0 is not None,
         )  # fmt: skip
-        d = self.policy.decide(v, self._upstream_idle)
-        self.policy.observe_choice(v, d, self.stats, starts_wait=self.trace.wait_t0 is None)
-        return d
+        return self.policy.decide(v, self._upstream_idle)
 
     # ------------------------------------------------------------------ actions
     def _step(self, kind: str, checked: Checked, t0: float) -> None:
@@ -255,7 +271,7 @@ class StageLoop:
         t1 = self.clock.now()
         self.stats.stepped(kind)
         if self.method != "ar":  # AR's forwards run on other threads (host/placement.py
-            self.policy.forward(0, t1 - t0, t1)  # CpuShare.solo): not the policy's costs
+            self.policy.observe(Forwarded(0, t1 - t0, t1))  # CpuShare.solo): not the policy's costs
         self._commit([checked.verdict.next_token], t1 - t0, checked.dists or [None])
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if kind == "own" and not self.inbox.advance(self.out, n0):
@@ -280,8 +296,8 @@ class StageLoop:
         t1 = self.clock.now()
         verdict = checked.verdict
         self.stats.verified(n, verdict.n_accepted)
-        self.policy.verified(n, verdict.n_accepted)
-        self.policy.forward(n, t1 - t0, t1)
+        self.policy.observe(Judged(n, verdict.n_accepted))
+        self.policy.observe(Forwarded(n, t1 - t0, t1))
         self._commit(verdict.committed(proposal), t1 - t0, checked.dists)
         self.model.truncate(len(self.prompt) + len(self.out) - 1)
         if verdict.rejected or not self.inbox.advance(self.out, n0):
@@ -311,7 +327,7 @@ class StageLoop:
         if h.done:
             return True, False
         if h.epoch == self.seen_down_epoch and h.length <= len(self.out):
-            self.ledger.judged(self.policy, len(self.out), h.length)
+            self._fates(self.ledger.judged(len(self.out), h.length))
             return False, False
         h, theirs = self._read(self.win.snapshot, down)
         if h.prompt != self.seq:  # it finished and started the next prompt between the two reads
@@ -328,7 +344,7 @@ class StageLoop:
             # may have been verified there; offered again it would get a second chance (a bias).
             tokens, keep = tokens[: len(theirs)], min(keep, len(theirs))
         discarded = old - keep
-        self.ledger.judged(self.policy, keep, min(h.length, keep), thrown_to=old)
+        self._fates(self.ledger.judged(keep, min(h.length, keep), thrown_to=old))
         self.stats.adopted(keep, old, len(tokens), self.ledger.adopted(keep, len(tokens)))
         self.out = tokens
         self.dirty_from = min(self.dirty_from, keep)
@@ -366,7 +382,7 @@ class StageLoop:
                 self._bump_epoch()
                 self._publish()
                 before = 0
-        self.policy.arrived(len(self.inbox.tokens) - before)
+        self.policy.observe(Arrived(len(self.inbox.tokens) - before))
         return bool(msgs)
 
     def _upstream_idle(self) -> bool:
@@ -378,6 +394,11 @@ class StageLoop:
         return (
             h.prompt == self.seq and h.idle and h.down_epoch == self.epoch and h.down_length >= len(self.out)
         )
+
+    def _fates(self, fates: list[tuple[int, bool]]) -> None:
+        """The policy learns which of its run-ahead the downstream kept (stage/ledger.py)."""
+        for distance, kept in fates:
+            self.policy.observe(Fate(distance, kept))
 
     def _read(self, read, rank: int):
         t0 = self.clock.now()
@@ -391,7 +412,7 @@ class StageLoop:
         self.inbox.clear()
         self.epoch += 1
         self.stats.rollbacks_signalled += 1
-        self.policy.restarted()
+        self.policy.observe(Restarted())
 
     @property
     def _capped(self) -> bool:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipespec_mpi.speculative.policy import ChoiceCounts
 
 
 class CountError(AssertionError):
@@ -28,13 +32,10 @@ class StageStats:
     tokens_discarded: int = 0  # own tokens thrown away by rollbacks
     discarded_s: float = 0.0  # compute time spent on those tokens
     dropped_messages: int = 0  # proposals of an old epoch or prompt
-    # the adaptive policy (decode.policy=adaptive): waits for more proposals it chose although it
-    # could act, verifications of fewer proposals than were pending, drafting held back by survival;
-    # chosen waits given up for a batched forward of the other slots (stage/batch.py)
-    waits_chosen: int = 0
-    waits_joined: int = 0
-    verify_cut: int = 0
-    drafts_held: int = 0
+    waits_chosen: int = 0  # the adaptive policy's waits for more proposals although it could act
+    waits_joined: int = 0  # its waits given up to join the stage's batched forward (stage/batch.py)
+    verify_cut: int = 0  # its verifications of fewer proposals than were pending
+    drafts_held: int = 0  # its holds of a model drafter by survival (decode.draft_survival)
     policy_state: dict = field(default_factory=dict)  # adaptive: its estimates at the end (goodput.py)
     busy_s: float = 0.0
     wait_s: float = 0.0
@@ -71,6 +72,12 @@ class StageStats:
             self.draft_steps += 1
         else:
             self.own_steps += 1
+
+    def chose(self, counts: ChoiceCounts, state: dict) -> None:
+        """The policy's report at the prompt's end: its own choices, and what it has learned."""
+        for name, value in asdict(counts).items():
+            setattr(self, name, value)
+        self.policy_state = state
 
     def verified(self, n: int, accepted: int) -> None:
         """A verification of ``n`` proposals, ``accepted`` of them kept."""

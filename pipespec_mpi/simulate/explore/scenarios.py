@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from pipespec_mpi.config import DecodeConfig, SamplingConfig, validate_decode
+from pipespec_mpi.config.schema import Policy
 from pipespec_mpi.speculative.sampling import Sampler, mix
 from pipespec_mpi.speculative.verifiers import Verifier
 from pipespec_mpi.stage.batch import ScoreBatch, score_alone
@@ -114,7 +115,7 @@ class Scenario:
             max_new_tokens=rng.randint(3, 24),
             max_run_ahead=rng.choice([x for x in (1, 2, 3, 4, 6, 8, 16) if x >= w]),
             max_verify=rng.choice((w, w + 1, max(w, 4), 16)),
-            policy="static",  # the "-adaptive" families set their own, below
+            policy=Policy.static,  # the "-adaptive" families set their own, below
             batch_verify_rows=16,  # the "-batch" families' row budget (conf/tuning/cpu_few_cores.yaml)
         )
         fixed = {**(PRESETS[preset] if preset else {}), **fixed}
@@ -166,7 +167,7 @@ class Scenario:
             if ad.random() < 0.3:
                 sc = replace(sc, lookup=True, suffix=True)
             if "decode" not in fixed:
-                policy = dict(policy="adaptive", draft_survival=ad.choice((0.0, 0.3, 0.5, 0.9)),
+                policy = dict(policy=Policy.adaptive, draft_survival=ad.choice((0.0, 0.3, 0.5, 0.9)),
                               accept_prior=ad.choice((0.0, 0.5, 1.0, ad.random())),
                               estimate_rate=ad.choice((0.05, 0.3, 1.0)))  # fmt: skip
                 sc = replace(sc, decode=replace(sc.decode, **policy))
@@ -203,7 +204,7 @@ PRESETS: dict[str, dict] = {
         k=3,
         lookup=False,
         n_prompts=2,
-        decode=DecodeConfig(lookahead=2, max_run_ahead=8, max_new_tokens=16, policy="static"),
+        decode=DecodeConfig(lookahead=2, max_run_ahead=8, max_new_tokens=16, policy=Policy.static),
     ),
 }
 

@@ -101,7 +101,7 @@ def test_comment_rules_on_the_real_sources():
     assert field_comments(AutoConfig)["stale_factor"].startswith("how far apart")
     stats = field_comments(StageStats)
     assert stats["waits_chosen"].startswith("the adaptive policy")
-    assert stats["verify_cut"] == "see `waits_chosen`" and stats["busy_s"] == ""
+    assert stats["verify_cut"].startswith("its verifications") and stats["busy_s"] == ""
     assert "timeline times are relative to it" in stats["t0_perf_counter"]
 
 

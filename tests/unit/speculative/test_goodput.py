@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, replace
 
 import pytest
 
 from pipespec_mpi.config import DecodeConfig, validate_decode
+from pipespec_mpi.config.schema import Policy
 from pipespec_mpi.speculative.goodput import (
     MAX_POSITIONS,
     Estimates,
@@ -19,17 +21,32 @@ from pipespec_mpi.speculative.goodput import (
     survivals,
     verify_length,
 )
-from pipespec_mpi.speculative.policy import Act, View, decide
+from pipespec_mpi.speculative.policy import Act, Decision, View, adaptive_rule, paper_rule
 
 ADAPTIVE = DecodeConfig(policy="adaptive", lookahead=0, max_new_tokens=64, max_run_ahead=8, max_verify=8,
                         draft_survival=0.5)  # fmt: skip
 
 
-def view(est: Estimates, **kw) -> View:
-    base = dict(method="pipespec", first=False, last=True, lookup=False, committed=5, capped=False,
-                estimates=est, now=10.0)  # fmt: skip
+@dataclass(frozen=True)
+class Seen:
+    """A stage's view with the adaptive policy's estimates and clock at the decision."""
+
+    v: View
+    est: Estimates
+    now: float
+
+
+def view(est: Estimates, now: float = 10.0, **kw) -> Seen:
+    base = dict(method="pipespec", first=False, last=True, lookup=False, committed=5, capped=False)
     base.update(kw)
-    return View(**base)
+    return Seen(View(**base), est, now)
+
+
+def decide(s: Seen, cfg: DecodeConfig) -> Decision:
+    """The rule of ``cfg``'s policy: the adaptive one on ``s``'s estimates, else the paper's."""
+    if Policy(cfg.policy).learns:
+        return adaptive_rule(s.v, cfg, s.est, s.now)
+    return paper_rule(s.v, cfg)
 
 
 def timed(c0: float = 0.02, slope: float = 0.0, gap: float | None = None, accept: float = 0.9) -> Estimates:
@@ -228,11 +245,11 @@ def test_adaptive_decisions_are_always_legal():
         assert not validate_decode(cfg, sd_needed=False)
         first = rng.random() < 0.3
         last = not first and rng.random() < 0.5
-        v = view(est, first=first, last=last, committed=rng.randint(0, cfg.max_new_tokens),
+        s = view(est, first=first, last=last, committed=rng.randint(0, cfg.max_new_tokens),
                  down_committed=0 if last else rng.randint(0, 12), pending=0 if first else rng.randint(0, 12),
                  upstream_idle=rng.random() < 0.3, now=rng.random() * 12)  # fmt: skip
-        v = View(**{**v.__dict__, "capped": v.committed >= cfg.max_new_tokens})
-        d = decide(v, cfg)
+        s = replace(s, v=replace(s.v, capped=s.v.committed >= cfg.max_new_tokens))
+        d, v = decide(s, cfg), s.v
         if d.act is Act.VERIFY:
             assert 1 <= d.n <= min(v.pending, cfg.max_verify)
         if d.act is Act.WAIT and not d.idle and not v.first and not v.capped:

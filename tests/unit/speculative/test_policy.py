@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pipespec_mpi.config import DecodeConfig
-from pipespec_mpi.speculative.policy import Act, View, decide, room
+from pipespec_mpi.speculative.policy import Act, View, room
+from pipespec_mpi.speculative.policy import paper_rule as decide
 
 CFG = DecodeConfig(lookahead=0, max_new_tokens=20, max_run_ahead=4, max_verify=6)
 
@@ -98,7 +99,16 @@ def test_ar_steps_alone():
 # ---------------------------------------------------------------- the port: one factory, two policies
 def test_one_factory_makes_each_policy_and_a_phase_keeps_what_was_learned():
     from pipespec_mpi.speculative.goodput import Estimates
-    from pipespec_mpi.speculative.policy import AdaptivePolicy, StaticPolicy, make_policy
+    from pipespec_mpi.speculative.policy import (
+        AdaptivePolicy,
+        Arrived,
+        ChoiceCounts,
+        Forwarded,
+        Judged,
+        Restarted,
+        StaticPolicy,
+        make_policy,
+    )
 
     reads = []
 
@@ -107,19 +117,20 @@ def test_one_factory_makes_each_policy_and_a_phase_keeps_what_was_learned():
         return 10.0
 
     static = make_policy(DecodeConfig(policy="static"), now)
-    assert type(static) is StaticPolicy and not static.shares_rows and static.snapshot() == {}
-    static.arrived(3)
-    static.restarted()
+    assert type(static) is StaticPolicy and not static.shares_rows and static.report() == (ChoiceCounts(), {})
+    static.observe(Arrived(3))
+    static.observe(Restarted())
     assert reads == []  # the static rule reads no clock and learns nothing
     adaptive = make_policy(DecodeConfig(policy="adaptive"), now)
     assert type(adaptive) is AdaptivePolicy and adaptive.shares_rows
-    adaptive.verified(4, 3)
-    adaptive.forward(4, 0.02, 1.0)
-    phase = adaptive.with_config(DecodeConfig(policy="adaptive", max_verify=3))
+    adaptive.observe(Judged(4, 3))
+    adaptive.observe(Forwarded(4, 0.02, 1.0))
+    phase = adaptive.for_phase(DecodeConfig(policy="adaptive", max_verify=3))
     assert phase.cfg.max_verify == 3 and adaptive.cfg.max_verify == 16  # the old one unchanged
-    assert phase.est is adaptive.est and phase.snapshot() == adaptive.snapshot()  # learned: kept
+    assert phase.est is adaptive.est and phase.report()[1] == adaptive.report()[1]  # learned: kept
     mine = Estimates(0.2, 0.1)
-    assert make_policy(DecodeConfig(policy="static"), now, mine).est is mine  # the explorer's own
+    assert make_policy(DecodeConfig(policy="adaptive"), now, mine).est is mine  # the explorer's own
+    assert type(make_policy(DecodeConfig(policy="static"), now, mine)) is StaticPolicy  # by the setting alone
 
 
 def test_the_static_policy_asks_the_upstream_only_when_the_decision_depends_on_it():
@@ -135,21 +146,23 @@ def test_the_static_policy_asks_the_upstream_only_when_the_decision_depends_on_i
     assert static.decide(view(pending=3), idle).act is Act.VERIFY and asked == []  # enough pending
     d = static.decide(view(pending=1), idle)  # one short of the lookahead: an idle upstream gives no more
     assert asked == [1] and d.act is Act.VERIFY and d.n == 1
-    assert not static.waits_by_choice(d) and static.recheck_at(d, 0.0) is None
+    assert not d.chosen and static.recheck_at(d, 0.0) is None
 
 
-def test_the_adaptive_policy_counts_its_own_choices():
-    from types import SimpleNamespace
+def test_the_adaptive_policy_counts_its_own_choices_and_reports_them_once(monkeypatch):
+    from pipespec_mpi.speculative import policy as module
+    from pipespec_mpi.speculative.policy import AdaptivePolicy, ChoiceCounts, Cut, Decision
 
-    from pipespec_mpi.speculative.policy import AdaptivePolicy, Decision, StaticPolicy
-
-    cfg = DecodeConfig(policy="adaptive")
-    counts = dict(waits_chosen=0, waits_joined=0, verify_cut=0, drafts_held=0)
-    stats = SimpleNamespace(**counts)
     wait = Decision(Act.WAIT, upstream_matters=True)
-    for policy in (StaticPolicy(cfg), AdaptivePolicy(cfg, lambda: 0.0)):
-        policy.observe_choice(view(pending=4), Decision(Act.VERIFY, n=2), stats, starts_wait=True)
-        policy.observe_choice(view(pending=0), wait, stats, starts_wait=True)
-        policy.observe_choice(view(pending=0), wait, stats, starts_wait=False)  # the same wait, again
-    assert vars(stats) == dict(counts, verify_cut=1, waits_chosen=1)  # the adaptive one's alone
-    assert AdaptivePolicy(cfg, lambda: 0.0).waits_by_choice(wait)
+    ruled = iter([Decision(Act.VERIFY, n=2), wait, wait, Decision(Act.WAIT, idle=True)])
+    monkeypatch.setattr(module, "adaptive_rule", lambda v, cfg, est, now: next(ruled))
+    policy = AdaptivePolicy(DecodeConfig(policy="adaptive"), lambda: 0.0)
+    never = lambda: False  # noqa: E731
+    assert not policy.decide(view(pending=4), never).chosen  # a verification cut to 2 of 4
+    assert policy.decide(view(pending=0), never).chosen  # a wait it chose although it could act
+    policy.decide(view(pending=0, waiting=True), never)  # the same wait, again: counted once
+    policy.decide(view(first=True, last=False, committed=6, down_committed=4), never)  # a drafter held
+    policy.observe(Cut())  # a batched stage cut its verification (stage/batch.py)
+    counts, state = policy.report()
+    assert counts == ChoiceCounts(waits_chosen=1, verify_cut=2, drafts_held=1) and "accept" in str(state)
+    assert policy.report()[0] == ChoiceCounts()  # taken: the next prompt counts from zero

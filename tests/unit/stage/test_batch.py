@@ -150,7 +150,7 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
 
     def slot(accept: float) -> SimpleNamespace:
         policy = AdaptivePolicy(cfg, lambda: 0.0, Estimates(accept, 0.1))
-        loop = SimpleNamespace(policy=policy, cfg=cfg, stats=SimpleNamespace(verify_cut=0))
+        loop = SimpleNamespace(policy=policy, cfg=cfg)
         return SimpleNamespace(loop=loop)
 
     good, poor, worse = slot(0.9), slot(0.5), slot(0.2)
@@ -164,7 +164,7 @@ def test_a_batched_stage_gives_out_only_the_rows_that_pay():
     # poor's second (0.25) would not (6.6 tokens in 26 ms: a 1 ms row must survive 0.254)
     got = stage._allot(asked)
     assert [(f.act, len(f.proposal)) for _, f in got] == [(Act.VERIFY, 4), (Act.VERIFY, 1), (Act.OWN, 0)]
-    assert [sl.loop.stats.verify_cut for sl in (good, poor, worse)] == [0, 1, 1]
+    assert [sl.loop.policy.report()[0].verify_cut for sl in (good, poor, worse)] == [0, 1, 1]
     assert [len(f.proposal) for _, f in asked] == [4, 4, 4]  # the slots' own forwards untouched
 
 

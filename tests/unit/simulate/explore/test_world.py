@@ -84,8 +84,8 @@ def ignoring_stop(monkeypatch) -> None:
 
 def wait_without_until(monkeypatch) -> None:
     """The answer's wait without its end: ``Decision.until`` never set, so no recheck is due."""
-    decide = policy_module.decide
-    monkeypatch.setattr(policy_module, "decide", lambda v, cfg: replace(decide(v, cfg), until=None))
+    rule = policy_module.adaptive_rule
+    monkeypatch.setattr(policy_module, "adaptive_rule", lambda *a: replace(rule(*a), until=None))
 
 
 def resending_leviathan(monkeypatch) -> None:
