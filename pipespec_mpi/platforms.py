@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipespec_mpi.config import AppConfig
+from pipespec_mpi.config.schema import Transport
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.topology import device_for
 
@@ -73,7 +74,7 @@ class CpuPlatform:
         """Settings that need CUDA, on a node without it."""
         out = []
         fix = "this node has no CUDA device (torch.cuda.is_available() is False)"
-        if cfg.transport.kind == "nccl":
+        if cfg.transport.kind == Transport.nccl:
             out.append(f"transport.kind=nccl needs CUDA and {fix}: use transport.kind=mpi or gloo")
         for i, s in enumerate(cfg.hierarchy.stages):
             if s.device.startswith("cuda"):
@@ -140,7 +141,7 @@ class CudaPlatform:
                     "package)"
                 )
         both = shared(node)
-        if cfg.transport.kind == "nccl":
+        if cfg.transport.kind == Transport.nccl:
             bare = sorted({r.stage for r in node if not r.uuids})
             if bare:
                 out.append(

@@ -19,8 +19,6 @@ import numpy as np
 from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.stage.ports import Proposal
 
-MUXED = ("nccl", "strict")  # transports whose slots share one link per pair
-
 
 class SlotSender:
     """Slot ``slot``'s sending end on the pair's link."""

@@ -14,7 +14,9 @@ silently break on:
 - a send buffer written before its send completed (NCCL reads it while the kernel runs; checked
   against a copy taken at the send);
 - a received buffer read before its wait (NCCL writes it while the kernel runs; the buffer
-  holds a poison value until the receive is seen complete, and reading it raises).
+  holds a poison value until the receive is seen complete, and reading it raises);
+- a receive whose size is not its send's (NCCL needs the counts equal: a smaller message leaves
+  the receive waiting for the rest, a larger one overruns it; every message carries its size).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pipespec_mpi.comm.wire import TAG
 
 POISON = -0x5354524943540000  # what a receive buffer holds until its receive is seen complete
 _DATA, _MEET = 1, 2  # gloo tags of the wrapped messages and of the first-operation rendezvous
+_HEAD = 2  # a wrapped message's header: the operation's index on the pair, the sent buffer's size
 
 
 class StrictError(RuntimeError):
@@ -115,9 +118,9 @@ class StrictSend:
 
         self.p2p, self.buf, self.peer, self.k = p2p, buf, peer, k
         self.copy = buf.clone()
-        wire = torch.empty(buf.numel() + 1, dtype=torch.int64)
-        wire[0] = k
-        wire[1:] = buf.view(-1)
+        wire = torch.empty(buf.numel() + _HEAD, dtype=torch.int64)
+        wire[0], wire[1] = k, buf.numel()
+        wire[_HEAD:] = buf.view(-1)
         self.work = dist.isend(wire, dst=peer, tag=_DATA)
         self.done = False
 
@@ -141,7 +144,7 @@ class StrictRecv:
 
         self.p2p, self.buf, self.peer, self.k = p2p, buf, peer, k
         buf.fill_(POISON)
-        self.wire = torch.empty(buf.numel() + 1, dtype=torch.int64)
+        self.wire = torch.empty(buf.numel() + _HEAD, dtype=torch.int64)
         self.work = dist.irecv(self.wire, src=peer, tag=_DATA)
         self.arrived = threading.Event()
         self.error: BaseException | None = None
@@ -152,7 +155,8 @@ class StrictRecv:
         if not self.done and self.arrived.is_set():
             if self.error is not None:
                 raise StrictError(
-                    f"rank {self.p2p.rank}: a receive from rank {self.peer} failed"
+                    f"rank {self.p2p.rank}: a receive of {self.buf.numel()} words from rank {self.peer} "
+                    "failed (a larger message than the receive is one way: NCCL needs the counts equal)"
                 ) from self.error
             sent_as = int(self.wire[0])
             if sent_as != self.k:
@@ -161,7 +165,14 @@ class StrictRecv:
                     f"orders: rank {self.peer}'s operation {sent_as} (a send) met rank {self.p2p.rank}'s "
                     f"operation {self.k} (a receive); NCCL runs a pair's operations in order on one stream"
                 )
-            self.buf.view(-1).copy_(self.wire[1:])
+            sent_words = int(self.wire[1])
+            if sent_words != self.buf.numel():
+                raise StrictError(
+                    f"rank {self.peer} sent {sent_words} words (operation {self.k} of the pair) into rank "
+                    f"{self.p2p.rank}'s receive of {self.buf.numel()}: NCCL needs a receive's count to be "
+                    "its send's (a smaller message leaves the receive waiting, a larger one overruns it)"
+                )
+            self.buf.view(-1).copy_(self.wire[_HEAD:])
             self.done = True
         return self.done
 

@@ -45,11 +45,25 @@ class Mode(Choice):
 
 
 class Transport(Choice):
+    """What carries proposals between stages (comm/): ``auto`` is resolved at start-up
+    (run/setup.py ``resolve_transport``) to one of the others."""
+
     auto = "auto"
     mpi = "mpi"
     gloo = "gloo"
     nccl = "nccl"
-    strict = "strict"
+    strict = "strict"  # gloo under NCCL's point-to-point rules (comm/strict.py)
+
+    @property
+    def torch_backend(self) -> str | None:
+        """The torch.distributed backend it runs on (None: MPI's own messages)."""
+        return {"gloo": "gloo", "nccl": "nccl", "strict": "gloo"}.get(self.value)
+
+    @property
+    def one_link_per_pair(self) -> bool:
+        """A stage pair's slots and routes share one link, as NCCL allows only one order of
+        operations per pair (comm/mux.py); else each lane has links of its own, tagged apart."""
+        return self in (Transport.nccl, Transport.strict)
 
 
 class StageKind(Choice):

@@ -19,11 +19,12 @@ from typing import Any
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
 from pipespec_mpi.comm.links import LinkSpec, open_receiver, open_sender
-from pipespec_mpi.comm.mux import MUXED, Demux, SlotReceiver, SlotSender
+from pipespec_mpi.comm.mux import Demux, SlotReceiver, SlotSender
 from pipespec_mpi.comm.strict import StrictP2P
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
 from pipespec_mpi.comm.wire import slot_tag
 from pipespec_mpi.config import DRAFTER_KINDS, AppConfig, ConfigError, HierarchyConfig
+from pipespec_mpi.config.schema import Transport
 from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
@@ -52,14 +53,16 @@ class PerfClock:
         return time.perf_counter()
 
 
-def resolve_transport(kind: str, platform: Platform, node: Sequence[RankGpus], rows: bool = True) -> str:
+def resolve_transport(
+    kind: str, platform: Platform, node: Sequence[RankGpus], rows: bool = True
+) -> Transport:
     """``transport.kind``; auto: NCCL only where the messages may carry rows that live on the GPU
     (``rows``: Leviathan's probability rows) and every rank of this node has GPUs no other rank of
     it uses (by UUID: NCCL refuses two ranks on one GPU, and needs one on every rank); else MPI.
     Token ids start and end on the host, where NCCL would only add a copy each way and a kernel."""
-    if kind != "auto":
-        return kind
-    return "nccl" if rows and platform.own_gpus(node) else "mpi"
+    if kind != Transport.auto:
+        return Transport(kind)
+    return Transport.nccl if rows and platform.own_gpus(node) else Transport.mpi
 
 
 def rows_may_travel(cfg: AppConfig) -> bool:
@@ -96,7 +99,7 @@ def place_cpus(
 class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
-    transport: str
+    transport: Transport
     p2p: Any  # transport.kind=strict: its communicator (comm/strict.py StrictP2P); else None
     cpus: CpuPlacement
     cuda_devices: list[int]
@@ -172,14 +175,14 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     return loaded
 
 
-def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWatchdog) -> Any:
+def rendezvous(cfg: AppConfig, world: World, transport: Transport, watchdog: StartupWatchdog) -> Any:
     """torch.distributed for a torch transport (gloo, nccl, strict), each step of its rendezvous
     a phase of ``watchdog``; strict's communicator (comm/strict.py StrictP2P), else None.
     Collective over the world."""
-    if transport not in ("gloo", "nccl", "strict"):
+    backend = transport.torch_backend
+    if backend is None:
         return None
     t = cfg.transport
-    backend = "gloo" if transport == "strict" else transport
 
     # the rendezvous' own bound, or the start-up's limit for any phase where that is tighter
     limit_s, setting = min((t.rendezvous_timeout_s, "transport.rendezvous_timeout_s"),
@@ -189,7 +192,7 @@ def rendezvous(cfg: AppConfig, world: World, transport: str, watchdog: StartupWa
         return watchdog.phase(f"rendezvous ({transport}): {name}", step_s, setting)
 
     init_torch_distributed(world, backend, t.iface, t.port, limit_s, step, setting, t.op_timeout_s)
-    return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == "strict" else None
+    return StrictP2P(world.rank, timeout_s=cfg.run.stall_timeout_s) if transport == Transport.strict else None
 
 
 def check_tokenizers(cfg: AppConfig, pl: Placement, comm, tokenizer) -> None:
@@ -283,7 +286,7 @@ def connect(
     MPI = mpi()
     comm = world.comm
     device = None
-    if loaded.transport == "nccl":
+    if loaded.transport == Transport.nccl:
         import torch
 
         device = torch.device(f"cuda:{loaded.cuda_devices[0]}")
@@ -294,7 +297,7 @@ def connect(
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
     sender: Any
     receiver: Any
-    if loaded.transport not in MUXED:
+    if not loaded.transport.one_link_per_pair:
         chan = dict(
             depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot)
         )
@@ -310,7 +313,7 @@ def connect(
         )
     else:
         pairs = {} if pairs is None else pairs
-        link_comm = loaded.p2p if loaded.transport == "strict" else comm
+        link_comm = loaded.p2p if loaded.transport == Transport.strict else comm
         # one route decodes at a time: a pair's link carries at most one route's slots at once
         chan = dict(depth=t.depth * slots, max_msg_tokens=width, device=device, dist_width=dist_width)
         sender = receiver = None

@@ -40,6 +40,18 @@ def adopt(own: Sequence[int], downstream: Sequence[int]) -> Adoption:
     return Adoption(tokens=list(own[:p]) + list(downstream[p:]), keep=p, discarded=len(own) - p)
 
 
+def adopt_sent_once(own: Sequence[int], downstream: Sequence[int], sent: int) -> Adoption:
+    """``adopt`` after the downstream changed epoch, where a token travels at most once (Leviathan:
+    what we sent beyond the downstream's tokens may have been verified there, and offered again it
+    would get a second chance, a bias): own tokens beyond the downstream's are kept only while
+    none of them was sent (``sent``: how many of ours the downstream was sent)."""
+    a = adopt(own, downstream)
+    if sent <= len(downstream):
+        return a
+    keep = min(a.keep, len(downstream))
+    return Adoption(tokens=a.tokens[: len(downstream)], keep=keep, discarded=len(own) - keep)
+
+
 @dataclass
 class Inbox:
     """Proposal tokens from upstream for positions ``base .. base+len(tokens)-1``."""

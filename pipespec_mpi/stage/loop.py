@@ -37,7 +37,7 @@ from pipespec_mpi.speculative.policy import (
     View,
     make_policy,
 )
-from pipespec_mpi.speculative.sequence import Inbox, adopt
+from pipespec_mpi.speculative.sequence import Inbox, adopt, adopt_sent_once
 from pipespec_mpi.speculative.verifiers import Checked, Question, Verifier, check_all
 from pipespec_mpi.stage.ledger import Ledger
 from pipespec_mpi.stage.mailbox import Mailbox
@@ -156,7 +156,7 @@ class StageLoop:
         else:  # a drafter's job store (models/suffix.py)
             self.model.prefill(self.prompt, room=room, store_key=store_key or method)
         t1 = self.clock.now()
-        self.stats.prefill_s = t1 - t0
+        self.stats.prefilled(t1 - t0)
         self.trace.event(t0, t1, "prefill", len(self.prompt), len(self.prompt))
 
     def finish(self) -> StageOutcome:
@@ -282,10 +282,9 @@ class StageLoop:
         t0 = self.clock.now()
         toks = self.model.propose(self._full(), limit, confirmed=len(self.prompt) + self._confirmed())
         t1 = self.clock.now()
-        self.stats.busy_s += t1 - t0
+        self.stats.looked_up(t1 - t0, len(toks))
         if not toks:
             return False
-        self.stats.draft_steps += 1
         self._commit(toks, t1 - t0, self.verifier.point_masses(toks, self.vocab))
         self.trace.event(t0, t1, "draft", len(toks), len(self.prompt) + len(self.out))
         return True
@@ -335,34 +334,35 @@ class StageLoop:
         self.down = h
         if h.done:
             return True, False
+        self._adopt(h, theirs)
+        return False, True
+
+    def _adopt(self, h: Header, theirs: Sequence[int]) -> None:
+        """Take in the downstream's committed tokens ``theirs`` (its header ``h``): ours rolled
+        back where they differ, the fates of ours judged, the KV cache cut, what is owed
+        downstream rewound, our upstream rolled back where our tokens changed under its
+        proposals; then published."""
         epoch_changed = h.epoch != self.seen_down_epoch
         old = len(self.out)
-        a = adopt(self.out, theirs)
-        tokens, keep = a.tokens, a.keep
-        if epoch_changed and not self.verifier.resendable and self.outbox.sent > len(theirs):
-            # Leviathan: a token travels at most once. What we sent beyond the downstream's tokens
-            # may have been verified there; offered again it would get a second chance (a bias).
-            tokens, keep = tokens[: len(theirs)], min(keep, len(theirs))
-        discarded = old - keep
-        self._fates(self.ledger.judged(keep, min(h.length, keep), thrown_to=old))
-        self.stats.adopted(keep, old, len(tokens), self.ledger.adopted(keep, len(tokens)))
-        self.out = tokens
-        self.dirty_from = min(self.dirty_from, keep)
+        if epoch_changed and not self.verifier.resendable:
+            a = adopt_sent_once(self.out, theirs, self.outbox.sent)
+        else:
+            a = adopt(self.out, theirs)
+        self._fates(self.ledger.judged(a.keep, min(h.length, a.keep), thrown_to=old))
+        self.stats.adopted(a.keep, old, len(a.tokens), self.ledger.adopted(a.keep, len(a.tokens)))
+        self.out = a.tokens
+        self.dirty_from = min(self.dirty_from, a.keep)
         # an idle flag said "nothing more for the tokens as they were": they changed, so it is
         # published cleared until this stage decides again (in this same iteration)
         self.idle = False
         if self.is_scorer:
-            self.model.truncate(len(self.prompt) + min(keep, len(self.out) - 1))
+            self.model.truncate(len(self.prompt) + min(a.keep, len(self.out) - 1))
         if epoch_changed:
             self.seen_down_epoch = h.epoch
-            self.outbox.rewind(min(len(self.out), len(theirs)), len(self.out))
-        else:
-            sent = len(theirs) if discarded else max(self.outbox.sent, len(theirs))
-            self.outbox.rewind(sent, len(self.out))
-        if self.role.upstream is not None and (discarded or not self.inbox.advance(self.out, old)):
+        self.outbox.adopted(len(theirs), len(self.out), epoch_changed, discarded=old > a.keep)
+        if self.role.upstream is not None and (old > a.keep or not self.inbox.advance(self.out, old)):
             self._bump_epoch()
         self._publish()
-        return False, True
 
     def _send_owed(self) -> bool:
         """Send the tokens the downstream has not got; False when there are none (or no buffer)."""
@@ -371,11 +371,11 @@ class StageLoop:
 
     def _take_proposals(self) -> bool:
         msgs, dropped = self.mailbox.take(self.seq)
-        self.stats.dropped_messages += dropped
+        self.stats.dropped(dropped)
         before = len(self.inbox.tokens)
         for msg in msgs:
             if msg.epoch != self.epoch:
-                self.stats.dropped_messages += 1
+                self.stats.dropped()
                 continue
             rows = None if msg.dists is None else list(msg.dists)
             if not self.inbox.merge(self.out, msg.start, msg.tokens, rows):
@@ -403,7 +403,7 @@ class StageLoop:
     def _read(self, read, rank: int):
         t0 = self.clock.now()
         out = read(rank)
-        self.stats.read_s += self.clock.now() - t0
+        self.stats.read(self.clock.now() - t0)
         return out
 
     # ------------------------------------------------------------------ own state
@@ -411,7 +411,7 @@ class StageLoop:
         """Tell the upstream stage to roll back to our committed tokens."""
         self.inbox.clear()
         self.epoch += 1
-        self.stats.rollbacks_signalled += 1
+        self.stats.signalled_rollback()
         self.policy.observe(Restarted())
 
     @property

@@ -36,6 +36,16 @@ class Outbox:
         self.sent = sent
         self.rows = {p: r for p, r in self.rows.items() if sent <= p < length}
 
+    def adopted(self, theirs: int, length: int, epoch_changed: bool, discarded: bool) -> None:
+        """After taking in the downstream's ``theirs`` tokens (ours now ``length``): it holds
+        those. A new epoch of its own dropped whatever it had pending, so everything of ours
+        beyond them is sent again; a rollback of ours (``discarded``) changed what follows them;
+        else what was sent stays sent."""
+        if epoch_changed:
+            self.rewind(min(length, theirs), length)
+        else:
+            self.rewind(theirs if discarded else max(self.sent, theirs), length)
+
     def send(self, out: list[int], prompt: int, epoch: int, with_dists: bool, stats: StageStats) -> bool:
         """Send what is owed of ``out`` against the downstream's ``epoch``; False when nothing
         was (none owed, or no free send buffer)."""
@@ -51,8 +61,7 @@ class Outbox:
                 ) from None
         before = self.sender.bytes_sent
         n = self.sender.try_send(prompt, epoch, self.sent, out[self.sent :], dists)
-        stats.bytes_sent += self.sender.bytes_sent - before
-        stats.tokens_proposed += n
+        stats.proposed(n, self.sender.bytes_sent - before)
         for p in range(self.sent, self.sent + n):
             self.rows.pop(p, None)
         self.sent += n

@@ -65,6 +65,33 @@ class StageStats:
         return dict(self.__dict__)
 
     # ---------------------------------------------------------------- observers (the loop's events)
+    def prefilled(self, seconds: float) -> None:
+        """The prompt's prefill took ``seconds``."""
+        self.prefill_s = seconds
+
+    def looked_up(self, seconds: float, n: int) -> None:
+        """A model-free drafter's lookup that took ``seconds`` and found ``n`` tokens (0: a miss)."""
+        self.busy_s += seconds
+        if n:
+            self.draft_steps += 1
+
+    def proposed(self, n: int, n_bytes: int) -> None:
+        """``n`` tokens sent downstream in ``n_bytes`` (a resend counts again)."""
+        self.tokens_proposed += n
+        self.bytes_sent += n_bytes
+
+    def dropped(self, n: int = 1) -> None:
+        """Proposals of an old epoch or prompt dropped."""
+        self.dropped_messages += n
+
+    def read(self, seconds: float) -> None:
+        """An epochs-window read that took ``seconds``."""
+        self.read_s += seconds
+
+    def signalled_rollback(self) -> None:
+        """This stage bumped its epoch: its upstream rolls back."""
+        self.rollbacks_signalled += 1
+
     def stepped(self, kind: str) -> None:
         """A one-token forward of its own: a drafter's ``draft`` step or a verifier's ``own`` one."""
         self.forward_calls += 1

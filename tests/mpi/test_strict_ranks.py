@@ -1,7 +1,7 @@
 """The strict transport (comm/strict.py) refuses what NCCL would refuse or silently break on, where
 gloo, underneath it, forgives it: two ranks entering a pair's operations in different orders, a
 send buffer written before its send completed, a message read before its receive completed, a
-tag, and a pair's first operation without the peer's.
+tag, a pair's first operation without the peer's, and a message smaller than its receive.
 
 The test launches this file under mpirun; as a script it is one rank of that run:
     mpirun -n 2 python tests/mpi/test_strict_ranks.py gloo|strict CASE
@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = [pytest.mark.mpi]
 
-CASES = ("order", "reuse", "early_read", "tag", "alone")
+CASES = ("order", "reuse", "early_read", "tag", "alone", "size")
 
 
 class Plain:
@@ -91,6 +91,11 @@ def run_case(case: str, p2p, rank: int) -> None:
             finish(p2p.isend(out, peer, slot_tag(1)))
         else:
             finish(p2p.irecv(into, peer, slot_tag(1)))
+    elif case == "size":  # a message smaller than the receive it meets
+        if rank == 0:
+            finish(p2p.isend(out[:6], peer, TAG))
+        else:
+            finish(p2p.irecv(into, peer, TAG))
     elif case == "alone":  # rank 1 enters an operation on the pair, rank 0 never does
         if rank == 1:
             finish(p2p.irecv(into, peer, TAG))
@@ -137,6 +142,7 @@ def test_gloo_forgives_what_strict_refuses(case):
         "early_read": "was read before its receive completed",
         "tag": "NCCL has no tags",
         "alone": "waited 2 s for the peer's",
+        "size": "sent 6 words (operation 0 of the pair) into rank 1's receive of 8",
     }[case]
     assert want in strict, strict
 

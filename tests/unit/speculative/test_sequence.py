@@ -1,4 +1,4 @@
-from pipespec_mpi.speculative.sequence import Inbox, adopt, common_prefix
+from pipespec_mpi.speculative.sequence import Inbox, adopt, adopt_sent_once, common_prefix
 
 
 def test_common_prefix():
@@ -20,6 +20,16 @@ def test_adopt_keeps_own_drafts_beyond_a_consistent_prefix():
 def test_adopt_catches_up_when_downstream_is_ahead():
     a = adopt([1, 2], [1, 2, 3, 4])
     assert a.tokens == [1, 2, 3, 4] and a.keep == 2 and a.discarded == 0
+
+
+def test_a_token_sent_once_is_not_kept_beyond_the_downstream_s():
+    own, theirs = [1, 2, 3, 4, 5], [1, 2, 3]  # ours agree, two beyond theirs
+    a = adopt_sent_once(own, theirs, sent=3)  # none of the two was sent: still drafts to offer
+    assert (a.tokens, a.keep, a.discarded) == ([1, 2, 3, 4, 5], 5, 0)
+    a = adopt_sent_once(own, theirs, sent=4)  # the 4th was sent: it may have been verified there
+    assert (a.tokens, a.keep, a.discarded) == ([1, 2, 3], 3, 2)
+    a = adopt_sent_once([1, 9, 3, 4], [1, 2, 3], sent=4)  # a mismatch rolls back as adopt does
+    assert (a.tokens, a.keep, a.discarded) == ([1, 2, 3], 1, 3) and a == adopt([1, 9, 3, 4], [1, 2, 3])
 
 
 def test_inbox_merge_appends_and_overlaps():

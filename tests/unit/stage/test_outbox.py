@@ -62,3 +62,20 @@ def test_the_last_stage_owes_nothing():
     box = Outbox(2, None)
     assert not box.owes(5)
     assert not box.send([1, 2], prompt=0, epoch=0, with_dists=False, stats=StageStats(2, 2, "m"))
+
+
+def test_after_an_adoption_what_the_downstream_holds_is_sent_and_the_rest_again_where_it_changed():
+    box = Outbox(0, Buffers(8))
+    box.sent = 6
+    box.adopted(theirs=4, length=7, epoch_changed=False, discarded=False)  # it caught up: nothing new
+    assert box.sent == 6
+    box.adopted(theirs=7, length=7, epoch_changed=False, discarded=False)  # it holds more than we sent
+    assert box.sent == 7
+    box.sent = 6
+    box.adopted(theirs=4, length=5, epoch_changed=False, discarded=True)  # ours rolled back after its 4
+    assert box.sent == 4
+    box.sent = 6
+    box.adopted(theirs=3, length=6, epoch_changed=True, discarded=False)  # its new epoch dropped 4..5
+    assert box.sent == 3
+    box.adopted(theirs=9, length=6, epoch_changed=True, discarded=False)  # never beyond ours
+    assert box.sent == 6
