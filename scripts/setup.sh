@@ -39,6 +39,11 @@ if [ "$MPI" = site ] && [ -z "$SITE_MPICC" ]; then
   echo "setup.sh: --site-mpi needs the site's mpicc on PATH (module load openmpi, or similar)" >&2
   exit 2
 fi
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup.sh: pipespec_mpi needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1 || echo missing)." \
+    "Name another: PYTHON=python3.11 bash scripts/setup.sh (or module load python/3.11)" >&2
+  exit 2
+fi
 echo "[setup] torch: $DEVICE build; MPI: $([ "$MPI" = site ] && echo "site ($SITE_MPICC)" || echo "MPICH wheel")"
 
 run() {  # a command, or only its line with --dry-run
