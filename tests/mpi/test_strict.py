@@ -13,7 +13,8 @@ from test_sampling import sample_pairs
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+# batch 1 in the long tier: batch 4 crosses the same rules and the shared link (comm/mux.py)
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.long), 4])
 def test_samples_over_strict_follow_the_target(tmp_path, batch):
     """Leviathan sampling: every proposal carries its distribution through the strict links."""
     joint = exact_joint(1.0, 4, 1.0)
