@@ -462,8 +462,8 @@ class DeviceConfig:
     # attention alone, bitwise the same on any threads; on a GPU torch's linears and SDPA);
     # portable: torch's linears and SDPA on every device
     kernels: Kernels = Kernels.auto
-    # the engine's decode and verify forward under torch.compile (whole, a few shapes; CUDA
-    # graphs on a GPU), where its plug-ins are torch's (not the CPU kernels: those stages run
+    # the engine's decode and verify forward under torch.compile (its decoder layer whole, a
+    # few shapes; CUDA graphs on a GPU), where its plug-ins are torch's (not the CPU kernels: those stages run
     # eager, logged); the first forward of each shape waits for the compiler
     compile: bool = False
 

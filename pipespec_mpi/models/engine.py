@@ -306,35 +306,75 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+class LayerKV(NamedTuple):
+    """One layer's keys and values [S, kv_heads, C, D], written in place, and each slot's views of
+    them [kv_heads, C, D] (made once: a ragged write costs no indexing ops)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_slots: tuple[torch.Tensor, ...]
+    v_slots: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> LayerKV:
+        return cls(k, v, k.unbind(0), v.unbind(0))
+
+    def write(self, b: Batch, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """The rows' keys (rotated here) and values [R, kv_heads, D]: a ragged batch's sequences
+        each rotated straight into its slot's positions (they are contiguous), a grid's rows
+        scattered."""
+        if b.seqs:
+            if len(b.seqs) == 1:  # one sequence (a CPU stage's forward): its rows as they are
+                ((slot, start, n),) = b.seqs
+                rotate(k, cos, sin, out=self.k_slots[slot].narrow(1, start, n).transpose(0, 1))
+                self.v_slots[slot].narrow(1, start, n).transpose(0, 1).copy_(v)
+                return
+            for (slot, start, n), lo in zip(b.seqs, b.bounds, strict=False):
+                rows = slice(lo, lo + n)
+                out = self.k_slots[slot].narrow(1, start, n).transpose(0, 1)
+                rotate(k[rows], cos[rows], sin[rows], out=out)
+                self.v_slots[slot].narrow(1, start, n).transpose(0, 1).copy_(v[rows])
+            return
+        self.k[b.slot, :, b.write] = rotate(k, cos, sin)
+        self.v[b.slot, :, b.write] = v
+
+
 @dataclass
 class KVCache:
-    """Keys and values of S slots, C positions each, one buffer per layer [S, kv_heads, C, D]
-    (written in place), and the rotary tables of the C positions. The last position of every slot
-    is scratch (padding rows write there), so a slot holds C - 1."""
+    """Keys and values of S slots, C positions each, per layer (``LayerKV``), and the rotary tables
+    of the C positions. The last position of every slot is scratch (padding rows write there), so
+    a slot holds C - 1."""
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    layers: list[LayerKV]
     cos: torch.Tensor  # [C, D] in the weights' dtype
     sin: torch.Tensor  # [C, D], its first half negated (``rotate``)
-    _by_slot: list | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, w: Weights, slots: int, capacity: int) -> KVCache:
         a = w.arch
         shape = (slots, a.kv_heads, capacity, a.head_dim)
 
-        def buffers() -> list[torch.Tensor]:
-            return [static(torch.zeros(shape, device=w.device, dtype=w.dtype)) for _ in range(a.layers)]
+        def buffer() -> torch.Tensor:
+            return static(torch.zeros(shape, device=w.device, dtype=w.dtype))
 
-        return cls(buffers(), buffers(), *map(static, rope_table(w, capacity)))
+        layers = [LayerKV.of(buffer(), buffer()) for _ in range(a.layers)]
+        return cls(layers, *map(static, rope_table(w, capacity)))
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [kv.k for kv in self.layers]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [kv.v for kv in self.layers]
 
     @property
     def slots(self) -> int:
-        return self.k[0].shape[0]
+        return self.layers[0].k.shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.layers[0].k.shape[2]
 
     def resized(self, w: Weights, slots: int, capacity: int) -> KVCache:
         """A cache of ``slots`` x ``capacity`` holding this one's contents (one copy)."""
@@ -343,37 +383,6 @@ class KVCache:
         for new, old in zip((*out.k, *out.v), (*self.k, *self.v), strict=True):
             new[:s, :, :c].copy_(old[:s, :, :c])
         return out
-
-    def write(
-        self, i: int, b: Batch, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> None:
-        """Layer ``i``'s keys (rotated here) and values of the rows [R, kv_heads, D], in place: a
-        ragged batch's sequences each rotated straight into its slot's positions (they are
-        contiguous), a grid's rows scattered."""
-        if b.seqs:
-            ks, vs = self.by_slot[i]
-            if len(b.seqs) == 1:  # one sequence (a CPU stage's forward): its rows as they are
-                ((slot, start, n),) = b.seqs
-                rotate(k, cos, sin, out=ks[slot].narrow(1, start, n).transpose(0, 1))
-                vs[slot].narrow(1, start, n).transpose(0, 1).copy_(v)
-                return
-            for (slot, start, n), lo in zip(b.seqs, b.bounds, strict=False):
-                rows = slice(lo, lo + n)
-                rotate(k[rows], cos[rows], sin[rows], out=ks[slot].narrow(1, start, n).transpose(0, 1))
-                vs[slot].narrow(1, start, n).transpose(0, 1).copy_(v[rows])
-            return
-        self.k[i][b.slot, :, b.write] = rotate(k, cos, sin)
-        self.v[i][b.slot, :, b.write] = v
-
-    @property
-    def by_slot(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Per layer, each slot's key and value buffers [kv_heads, C, D] (views made once: a
-        ragged write costs no indexing ops)."""
-        if self._by_slot is None:
-            self._by_slot = [
-                (list(k.unbind(0)), list(v.unbind(0))) for k, v in zip(self.k, self.v, strict=True)
-            ]
-        return self._by_slot
 
 
 def static(t: torch.Tensor) -> torch.Tensor:
@@ -417,23 +426,37 @@ def rotate(
     return torch.add(x * cos, torch.roll(x, x.shape[-1] // 2, -1) * sin, out=out)
 
 
-def forward(w: Weights, cache: KVCache, b: Batch) -> torch.Tensor:
+def forward(w: Weights, cache: KVCache, b: Batch, layer: LayerFn | None = None) -> torch.Tensor:
     """Logits [K, V] float32 of the rows ``b.keep``, every row's keys and values written into
-    ``cache``."""
-    a = w.arch
-    r = b.tokens.shape[0]
+    ``cache``. ``layer``: how each decoder layer runs (``decoder_layer``, or it compiled:
+    models/scorer.py ``compile_forward``)."""
+    layer = layer or decoder_layer
     cos, sin = cache.cos[b.pos][:, None, :], cache.sin[b.pos][:, None, :]  # [R, 1, D]
-    heads = (a.heads, a.kv_heads, a.kv_heads)
     x = w.embed[b.tokens]  # [R, H]
-    for i, lay in enumerate(w.layers):
-        h = rms_norm(x, lay.ln1, a.eps)
-        q, k, v = lay.qkv(h).view(r, -1, a.head_dim).split(heads, dim=1)  # [R, heads, D] each
-        q = rotate(q, cos, sin)
-        cache.write(i, b, k, v, cos, sin)
-        x = x + lay.o(w.attention(q, cache.k[i], cache.v[i], b, a.scale))
-        h = rms_norm(x, lay.ln2, a.eps)
-        gate_up = lay.gate_up(h)
-        gate, up = gate_up[:, : a.intermediate], gate_up[:, a.intermediate :]
-        x = x + lay.down(w.act(gate, b) * up)
-    x = rms_norm(x[b.keep], w.norm, a.eps)
+    for lay, kv in zip(w.layers, cache.layers, strict=True):
+        x = layer(w, lay, kv, x, cos, sin, b)
+    x = rms_norm(x[b.keep], w.norm, w.arch.eps)
     return w.head(x).float()
+
+
+def decoder_layer(
+    w: Weights, lay: Layer, kv: LayerKV, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: Batch
+) -> torch.Tensor:
+    """One decoder layer over the rows ``x`` [R, H]: their keys and values written into ``kv``.
+    Its own function so that a compiler takes it once for every layer (the same code; compile time
+    independent of depth: docs/gpu.md, "Compile time")."""
+    a = w.arch
+    r = x.shape[0]
+    h = rms_norm(x, lay.ln1, a.eps)
+    q, k, v = lay.qkv(h).view(r, -1, a.head_dim).split((a.heads, a.kv_heads, a.kv_heads), dim=1)
+    q = rotate(q, cos, sin)
+    kv.write(b, k, v, cos, sin)
+    x = x + lay.o(w.attention(q, kv.k, kv.v, b, a.scale))
+    h = rms_norm(x, lay.ln2, a.eps)
+    gate_up = lay.gate_up(h)
+    gate, up = gate_up[:, : a.intermediate], gate_up[:, a.intermediate :]
+    return x + lay.down(w.act(gate, b) * up)
+
+
+# decoder_layer's signature: (weights, layer, its cache, rows, cos, sin, batch) -> rows
+LayerFn = Callable[[Weights, Layer, LayerKV, torch.Tensor, torch.Tensor, torch.Tensor, Batch], torch.Tensor]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental import _config as fx_config
 
-from pipespec_mpi.models.engine import KVCache, Weights, forward, silu_by_rows
+from pipespec_mpi.models.engine import KVCache, Weights, decoder_layer, forward, silu_by_rows
 from pipespec_mpi.models.rows import Batch
 
 # the widest step the compiled forward runs (wider: eager, as a prefill)
@@ -182,22 +182,23 @@ class Engine:
 
 
 def compile_forward(
-    w: Weights, backend: str = "inductor"
+    w: Weights, backend: str | Callable = "inductor"
 ) -> Callable[[Weights, KVCache, Batch], torch.Tensor]:
-    """``forward`` under torch.compile as a job runs it (``device.compile``): whole
-    (``fullgraph``), shapes dynamic, each size its own symbol (no duck sizing: two sizes equal
-    once are not assumed equal ever after). On CUDA its graphs are captured (``reduce-overhead``;
+    """``forward`` as a job runs it under ``device.compile``: the decoder layer compiled whole
+    (``fullgraph``) once for every layer, shapes dynamic, each size its own symbol (no duck
+    sizing: two sizes equal once are not assumed equal ever after); the embedding and the head
+    run eager around it. The whole forward compiled took minutes a graph, growing with the layers
+    (docs/gpu.md, "Compile time"). On CUDA each layer's graphs are captured (``reduce-overhead``;
     the weights and the cache buffers keep static addresses). ``backend``: tests count graphs on
     a cheaper one."""
     mode = "reduce-overhead" if w.device.type == "cuda" else None
-    step = torch.compile(forward, dynamic=True, fullgraph=True, mode=mode, backend=backend)
+    layer = torch.compile(decoder_layer, dynamic=True, fullgraph=True, mode=mode, backend=backend)
 
     def run(w: Weights, cache: KVCache, b: Batch) -> torch.Tensor:
-        if mode is not None:  # a new replay: the last one's outputs were copied out below
+        if mode is not None:  # a new replay: the last step's graph outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
         with fx_config.patch(use_duck_shape=False):
-            logits = step(w, cache, b)
-        return logits if mode is None else logits.clone()  # the graph's output memory is reused
+            return forward(w, cache, b, layer=layer)
 
     return run
 

@@ -7,6 +7,7 @@ engine's device, or a host sync, raises there); and its decode and verify steps 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -223,20 +224,31 @@ def stage_schedule(slots: list[EngineScorer]) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 def test_the_compiled_step_is_one_graph_per_few_shapes_under_the_jobs_flags():
-    """``device.compile`` as a job runs it (``compile_forward``: fullgraph, dynamic shapes) over a
-    stage's schedule: no graph break, no recompile past dynamo's limit (each would raise under
-    ``fullgraph``), at most 4 graphs, and the eager engine's numbers. Graphs are counted on the
+    """``device.compile`` as a job runs it (``compile_forward``: the layer fullgraph, dynamic
+    shapes) over a stage's schedule on a model of 3 layers: no graph break, no recompile past
+    dynamo's limit (each would raise under ``fullgraph``), at most 4 graphs for all layers (one
+    compile serves every layer), and the eager engine's numbers. Graphs are counted on the
     aot_eager backend (what dynamo captures does not depend on the backend)."""
     torch._dynamo.reset()
     counters.clear()
-    w = Weights.of(one_layer(torch.float64))
+    model = tiny(torch.float64)
+    assert model.config.num_hidden_layers >= 3
+    w = Weights.of(model)
+    attentions = []  # per graph, its attention calls (read before aot_eager consumes the graph)
+
+    def recorded(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        names = [getattr(n.target, "__name__", "") for n in gm.graph.nodes]
+        attentions.append(names.count("scaled_dot_product_attention"))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
     eng = Engine(w)
-    eng.step, eng.compiled = compile_forward(w, backend="aot_eager"), True
+    eng.step, eng.compiled = compile_forward(w, backend=recorded), True
     compiled = stage_schedule([EngineScorer("c", eng) for _ in range(3)])
     ref_eng = Engine(w)
     eager = stage_schedule([EngineScorer("e", ref_eng) for _ in range(3)])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert set(attentions) == {1}, attentions  # each graph one layer's (the whole forward: 3)
     for a, b in zip(compiled, eager, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
     verdicts = torch.compile(accept, fullgraph=True, dynamic=True, backend="aot_eager")
