@@ -60,48 +60,91 @@ class Record:
     """One line of results.jsonl. Field order is the order of the keys on disk."""
 
     prompt_id: str
+    """the row's id (or one made from its position)"""
     replica: int
+    """the pipeline replica that decoded it"""
     method: str
-    warmup: bool  # benchmark warm-up: excluded from aggregates
+    """ar | sd | pipespec | online"""
+    warmup: bool
+    """benchmark warm-up: excluded from aggregates"""
     sample_idx: int = 0
-    batch_size: int = 1  # sequences in flight per stage while this one decoded (stage/batch.py)
-    slot: int = 0  # which of them
-    phase: int | None = None  # its phase: the number of the phase's first job (None: not recorded)
-    decoded_by: str | None = None  # method=online: the plan it ran ("pipespec 0-2", "ar"; run/online.py)
-    route: list[int] | None = None  # the stages that decoded it (None: all; AR: the last alone)
-    plan_note: str | None = None  # method=online: why that plan
-    temperature: float = 0.0  # the job's, or its row's own
+    """which of sampling.num_samples"""
+    batch_size: int = 1
+    """sequences in flight per stage while this one decoded (stage/batch.py)"""
+    slot: int = 0
+    """which of them"""
+    phase: int | None = None
+    """its phase: the number of the phase's first job (None: not recorded)"""
+    decoded_by: str | None = None
+    """method=online: the plan it ran ("pipespec 0-2", "ar"; run/online.py)"""
+    route: list[int] | None = None
+    """the stages that decoded it (None: all; AR: the last alone)"""
+    plan_note: str | None = None
+    """method=online: why that plan"""
+    temperature: float = 0.0
+    """the job's, or its row's own"""
     top_p: float = 1.0
+    """see ``temperature``"""
     top_k: int = 0
+    """see ``temperature``"""
     coupling: str = "leviathan"
-    position: int | None = None  # the row's place in the dataset (data/requests.py)
-    request: str = "prompt"  # prompt | chat (turns through the chat template)
-    openai: bool = False  # the row was an OpenAI batch request
-    truncated_tokens: int = 0  # prompt tokens cut away (dataset.truncate)
-    end_time: float | None = None  # Unix time the record was written (progress, ETA)
-    bytes_sent: list[int] = field(default_factory=list)  # per stage
+    """leviathan | gumbel (sampling.coupling)"""
+    position: int | None = None
+    """the row's place in the dataset (data/requests.py)"""
+    request: str = "prompt"
+    """prompt | chat (turns through the chat template)"""
+    openai: bool = False
+    """the row was an OpenAI batch request"""
+    truncated_tokens: int = 0
+    """prompt tokens cut away (dataset.truncate)"""
+    end_time: float | None = None
+    """Unix time the record was written (progress, ETA)"""
+    bytes_sent: list[int] = field(default_factory=list)
+    """per stage"""
     seq: int
+    """the record's order in the job (by writing)"""
     prompt_ids: list[int]
-    output_ids: list[int]  # generated ids only, a final EOS included
+    """the prompt's token ids (after the chat template and truncation)"""
+    output_ids: list[int]
+    """generated ids only, a final EOS included"""
     text: str
+    """the output decoded to text"""
     n_new_tokens: int
-    finish_reason: str  # eos | length
-    wall_s: float  # prefill + decode, from the start barrier
+    """tokens generated (``len(output_ids)``)"""
+    finish_reason: str
+    """eos | length"""
+    wall_s: float
+    """prefill + decode, from the start barrier"""
     ms_per_token: float
+    """wall_s over n_new_tokens"""
     ttft_s: float
-    window: int | None  # proposals a verifier waits for: SD's window or PipeSpec's lookahead
+    """seconds to the first committed token"""
+    window: int | None
+    """proposals a verifier waits for: SD's window or PipeSpec's lookahead"""
     max_run_ahead: int | None = None
+    """decode.max_run_ahead (PipeSpec)"""
     max_verify: int | None = None
-    policy: str = "static"  # decode.policy the stages decided by (speculative/goodput.py)
-    draft_survival: float | None = None  # decode.draft_survival under the adaptive policy
-    max_new_tokens: int  # this job's budget: the row's max_tokens, else decode.max_new_tokens
+    """decode.max_verify (PipeSpec)"""
+    policy: str = "static"
+    """decode.policy the stages decided by (speculative/goodput.py)"""
+    draft_survival: float | None = None
+    """decode.draft_survival under the adaptive policy"""
+    max_new_tokens: int
+    """this job's budget: the row's max_tokens, else decode.max_new_tokens"""
     transport: str
-    epochs_window: str | None = None  # shared | push | rma (comm/window.py); None: before it was recorded
-    hosts: list[str] = field(default_factory=list)  # per stage: the host it ran on
-    engines: list[str] = field(default_factory=list)  # per stage: the forward and plug-ins it ran
+    """the links' transport as resolved (mpi, gloo, nccl, strict)"""
+    epochs_window: str | None = None
+    """shared | push | rma (comm/window.py); None: before it was recorded"""
+    hosts: list[str] = field(default_factory=list)
+    """per stage: the host it ran on"""
+    engines: list[str] = field(default_factory=list)
+    """per stage: the forward and plug-ins it ran"""
     hierarchy: str | None
+    """the hierarchy's name"""
     models: list[str]
+    """per stage: its name"""
     stages: list[StageStats]
+    """per stage: what it recorded (``StageStats``)"""
 
     def pairs(self) -> list[tuple[int, int]]:
         """(proposer, verifier) of each stage that verified proposals in this job: adjacent stages,
@@ -237,40 +280,59 @@ class PairAcceptance:
     """Acceptance at one adjacent stage pair (``metrics.acceptance``)."""
 
     verifications: int
+    """the verifier's verifications of the proposer's tokens"""
     proposed: int
+    """tokens verified"""
     accepted: int
+    """tokens accepted"""
     mean_accepted: float
-    mean_acceptance_length: float  # 1 + accepted / verifications
+    """accepted per verification"""
+    mean_acceptance_length: float
+    """1 + accepted / verifications"""
     acceptance_rate: float
+    """accepted / proposed"""
     per_position_acceptance: list[float]
+    """per proposal position: how often a token there was accepted"""
     accepted_histogram: list[int]
+    """verifications by tokens accepted (index k: k accepted)"""
 
 
 @dataclass
 class StageSummary:
     model: str
+    """the stage's model"""
     forward_calls: int
+    """forwards, over the records"""
     rollbacks: int
+    """times it was rolled back"""
     tokens_discarded: int
+    """its tokens thrown away by rollbacks"""
     discarded_s: float
+    """compute time spent on those tokens"""
     busy_fraction: float
+    """its compute time over the wall"""
     verifications: int = 0
+    """its forwards that verified proposals"""
     own_steps: int = 0
-    # a verifier's forwards that verified a proposal (the rest were steps of its own)
+    """its one-token steps of its own"""
     proposals_per_forward: float = 0.0
-    tokens_per_forward: float = 0.0  # tokens committed by its own actions per forward
-    # the adaptive policy (decode.policy=adaptive): waits it chose although it could act, its
-    # verifications of fewer proposals than were pending, the times it held its drafting back
+    """a verifier's forwards that verified a proposal (the rest were steps of its own)"""
+    tokens_per_forward: float = 0.0
+    """tokens committed by its own actions per forward"""
     waits_chosen: int = 0
-    waits_joined: int = 0  # waits it would have chosen, given up to join its other slots' forward
+    """the adaptive policy (decode.policy=adaptive): waits it chose although it could act"""
+    waits_joined: int = 0
+    """waits it would have chosen, given up to join its other slots' forward"""
     verify_cut: int = 0
+    """the adaptive policy's verifications of fewer proposals than were pending"""
     drafts_held: int = 0
-    # a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens
-    # the next stage committed as proposed), mean_accepted (accepted per proposal)
+    """the adaptive policy's holds of its drafting (decode.draft_survival)"""
     drafter: dict[str, dict[str, float]] = field(default_factory=dict)
-    # the cores its rank kept busy, computing or waiting, while it worked on these records (process
-    # CPU time over its clock's time; metrics._CpuSpans); None: no such time recorded
+    """a model-free stage 0, per source (models/suffix.py): proposals, proposed, accepted (tokens the next
+    stage committed as proposed), mean_accepted (accepted per proposal)"""
     cpu_cores: float | None = None
+    """the cores its rank kept busy, computing or waiting, while it worked on these records (process CPU
+    time over its clock's time; metrics._CpuSpans); None: no such time recorded"""
 
 
 @dataclass
@@ -278,31 +340,47 @@ class MethodSummary:
     """One method's entry of summary.json: aggregates over its non-warm-up records."""
 
     n_prompts: int
+    """records aggregated"""
     n_tokens: int
-    wall_s: float  # decoding time: the records' walls summed (batch 1), the phases' spans (batched)
-    ms_per_token: float  # wall_s / n_tokens: the inverse of the throughput
+    """tokens they generated"""
+    wall_s: float
+    """decoding time: the records' walls summed (batch 1), the phases' spans (batched)"""
+    ms_per_token: float
+    """wall_s / n_tokens: the inverse of the throughput"""
     tokens_per_s: float
+    """n_tokens / wall_s"""
     ttft_s_mean: float
-    token_latency_ms: dict[str, float]  # p50, p90, p99
-    acceptance: dict[str, PairAcceptance]  # per pair "0->1", ...
+    """mean seconds to the first token"""
+    token_latency_ms: dict[str, float]
+    """p50, p90, p99"""
+    acceptance: dict[str, PairAcceptance]
+    """per pair "0->1", ..."""
     mean_accepted_per_verification: dict[str, float]
+    """per pair: accepted tokens per verification"""
     stages: list[StageSummary]
-    peak_rss_mb: list[float] = field(default_factory=list)  # per stage
+    """per stage"""
+    peak_rss_mb: list[float] = field(default_factory=list)
+    """per stage"""
     batch_size: int = 1
-    # each sequence's own ms/token (its wall over its tokens: the latency a user of one prompt
-    # sees): p50, p90, mean
+    """sequences decoded together (the entry's key says it too)"""
     sequence_ms_per_token: dict[str, float] = field(default_factory=dict)
-    rows_not_decoded: int = 0  # the run's rows in errors.jsonl (the same in every method's entry)
-    # the CPUs (GPUs) a replica's ranks hold times the decoding wall, per million tokens
+    """each sequence's own ms/token (its wall over its tokens: the latency a user of one prompt sees): p50,
+    p90, mean"""
+    rows_not_decoded: int = 0
+    """the run's rows in errors.jsonl (the same in every method's entry)"""
     core_hours_per_million_tokens: float | None = None
+    """the CPUs (GPUs) a replica's ranks hold times the decoding wall, per million tokens"""
     gpu_hours_per_million_tokens: float | None = None
-    # GPU runs only (absent from the file otherwise)
+    """see ``core_hours_per_million_tokens``"""
     energy_j_per_token_system: float | None = None
+    """GPU runs only (absent from the file otherwise)"""
     energy_j_per_token_per_gpu: float | None = None
+    """see ``energy_j_per_token_system``"""
     n_gpus_measured: int | None = None
-    # what the entry is of, as fields (its key in the file, ``group_key``, says the same; files
-    # written before the fields existed get them from the key when read)
+    """see ``energy_j_per_token_system``"""
     method: str = ""
+    """what the entry is of, as fields (its key in the file, ``group_key``, says the same; files written
+    before the fields existed get them from the key when read)"""
 
     def to_json(self) -> dict:
         return _without_none(dataclasses.asdict(self), ("energy_j_per_token_system",
@@ -337,9 +415,13 @@ class SpeedupPerPrompt:
     """Per-prompt ratios of AR's ms/token over the method's, over prompts both decoded."""
 
     median: float
+    """the median ratio"""
     min: float
+    """the smallest"""
     max: float
+    """the largest"""
     n: int
+    """prompts compared"""
 
 
 @dataclass
@@ -347,17 +429,29 @@ class BenchmarkRow:
     """One method's entry of benchmark.json (``speedup``: only with an AR run)."""
 
     n_prompts: int
+    """see ``MethodSummary``"""
     n_tokens: int
+    """see ``MethodSummary``"""
     wall_s: float
+    """see ``MethodSummary``"""
     ms_per_token: float
+    """see ``MethodSummary``"""
     tokens_per_s: float
+    """see ``MethodSummary``"""
     mean_accepted_per_verification: dict[str, float]
-    busy_fraction: list[float]  # per stage
+    """see ``MethodSummary``"""
+    busy_fraction: list[float]
+    """per stage"""
     batch_size: int = 1
-    sequence_ms_per_token: dict[str, float] = field(default_factory=dict)  # p50, p90, mean
-    speedup: float | None = None  # tokens/s over AR's at the same batch size
+    """see ``MethodSummary``"""
+    sequence_ms_per_token: dict[str, float] = field(default_factory=dict)
+    """p50, p90, mean"""
+    speedup: float | None = None
+    """tokens/s over AR's at the same batch size"""
     speedup_per_prompt: SpeedupPerPrompt | None = None
-    method: str = ""  # as in MethodSummary: the entry's method (batch_size: its batch size)
+    """AR's ms/token over this method's per prompt (``SpeedupPerPrompt``)"""
+    method: str = ""
+    """as in MethodSummary: the entry's method (batch_size: its batch size)"""
 
     def to_json(self) -> dict:
         return _without_none(dataclasses.asdict(self), ("speedup", "speedup_per_prompt"))

@@ -38,22 +38,39 @@ class DatasetConfig:
     ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``."""
 
     name: DatasetName = DatasetName.humaneval
-    path: str | None = None  # dataset=files: a .jsonl/.parquet file or a folder of them
+    """humaneval, news (the Lee corpus), files (alias jsonl: the user's), synthetic, hub"""
+    path: str | None = None
+    """dataset=files: a .jsonl/.parquet file or a folder of them"""
     file_format: FileFormat = FileFormat.auto
-    prompt_field: str = "prompt"  # the row's fields, renamed for files that name them otherwise
+    """files: auto (by each file's suffix: .jsonl/.json, .parquet), jsonl or parquet"""
+    prompt_field: str = "prompt"
+    """the row's fields, renamed for files that name them otherwise"""
     messages_field: str = "messages"
+    """see ``prompt_field``"""
     id_field: str = "id"
-    n_prompts: int | None = None  # None: every row (the built-in benchmarks' configs say 4)
-    shuffle: bool = False  # a seeded shuffle before taking n_prompts (the benchmarks': true)
-    seed: int = 0  # the shuffle's (and the synthetic text's) seed
-    chat_template: bool | None = None  # None: the hierarchy's tokenizer.chat_template decides
-    max_prompt_tokens: int = 512  # a longer prompt is a bad row, unless ``truncate`` says how to cut
-    truncate: Truncation | None = None  # left: keep the first token and the end; right: keep the start
-    round_rows: int = 4096  # prompts per replica that rank 0 reads and deals out at a time (run/rows.py)
-    shard_index: int = 0  # job-level sharding (Slurm arrays): this job takes shard_index::shard_count
+    """see ``prompt_field``"""
+    n_prompts: int | None = None
+    """None: every row (the built-in benchmarks' configs say 4)"""
+    shuffle: bool = False
+    """a seeded shuffle before taking n_prompts (the benchmarks': true)"""
+    seed: int = 0
+    """the shuffle's (and the synthetic text's) seed"""
+    chat_template: bool | None = None
+    """None: the hierarchy's tokenizer.chat_template decides"""
+    max_prompt_tokens: int = 512
+    """a longer prompt is a bad row, unless ``truncate`` says how to cut"""
+    truncate: Truncation | None = None
+    """left: keep the first token and the end; right: keep the start"""
+    round_rows: int = 4096
+    """prompts per replica that rank 0 reads and deals out at a time (run/rows.py)"""
+    shard_index: int = 0
+    """job-level sharding (Slurm arrays): this job takes shard_index::shard_count"""
     shard_count: int = 1
+    """see ``shard_index``"""
     hub_name: str | None = None
+    """hub: the dataset's name (``name:config``), from the local Hugging Face cache only"""
     split: str = "test"
+    """hub: the split read"""
 
     @property
     def user_files(self) -> bool:

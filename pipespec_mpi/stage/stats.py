@@ -16,55 +16,94 @@ class CountError(AssertionError):
 @dataclass
 class StageStats:
     stage: int
+    """the stage's index in the hierarchy"""
     rank: int
+    """its MPI rank"""
     model: str
+    """its model's name"""
     forward_calls: int = 0
+    """forwards it ran (steps, verifications, catch-ups; not the prefill)"""
     draft_steps: int = 0
+    """one-token steps (or model-free lookups that found a draft) that drafted"""
     own_steps: int = 0
+    """a verifier's one-token steps of its own (nothing to verify)"""
     verifications: int = 0
-    tokens_proposed: int = 0  # tokens this stage sent downstream (a resend counts again)
-    tokens_verified: int = 0  # proposal tokens this stage checked
-    tokens_accepted: int = 0  # proposal tokens this stage accepted
-    tokens_generated: int = 0  # tokens committed by this stage's own actions
-    tokens_adopted: int = 0  # tokens taken over from the downstream's committed tokens
-    rollbacks: int = 0  # times this stage was rolled back by its downstream
-    rollbacks_signalled: int = 0  # epoch bumps (rollbacks this stage asked upstream for)
-    tokens_discarded: int = 0  # own tokens thrown away by rollbacks
-    discarded_s: float = 0.0  # compute time spent on those tokens
-    dropped_messages: int = 0  # proposals of an old epoch or prompt
-    waits_chosen: int = 0  # the adaptive policy's waits for more proposals although it could act
-    waits_joined: int = 0  # its waits given up to join the stage's batched forward (stage/batch.py)
-    verify_cut: int = 0  # its verifications of fewer proposals than were pending
-    drafts_held: int = 0  # its holds of a model drafter by survival (decode.draft_survival)
-    policy_state: dict = field(default_factory=dict)  # adaptive: its estimates at the end (goodput.py)
+    """forwards that verified proposals"""
+    tokens_proposed: int = 0
+    """tokens this stage sent downstream (a resend counts again)"""
+    tokens_verified: int = 0
+    """proposal tokens this stage checked"""
+    tokens_accepted: int = 0
+    """proposal tokens this stage accepted"""
+    tokens_generated: int = 0
+    """tokens committed by this stage's own actions"""
+    tokens_adopted: int = 0
+    """tokens taken over from the downstream's committed tokens"""
+    rollbacks: int = 0
+    """times this stage was rolled back by its downstream"""
+    rollbacks_signalled: int = 0
+    """epoch bumps (rollbacks this stage asked upstream for)"""
+    tokens_discarded: int = 0
+    """own tokens thrown away by rollbacks"""
+    discarded_s: float = 0.0
+    """compute time spent on those tokens"""
+    dropped_messages: int = 0
+    """proposals of an old epoch or prompt"""
+    waits_chosen: int = 0
+    """the adaptive policy's waits for more proposals although it could act"""
+    waits_joined: int = 0
+    """its waits given up to join the stage's batched forward (stage/batch.py)"""
+    verify_cut: int = 0
+    """its verifications of fewer proposals than were pending"""
+    drafts_held: int = 0
+    """its holds of a model drafter by survival (decode.draft_survival)"""
+    policy_state: dict = field(default_factory=dict)
+    """adaptive: its estimates at the end (goodput.py)"""
     busy_s: float = 0.0
+    """seconds computing (forwards, lookups)"""
     wait_s: float = 0.0
-    read_s: float = 0.0  # in epochs-window reads (a passive-target RMA read waits for a busy owner)
+    """seconds waiting for a message or a rollback"""
+    read_s: float = 0.0
+    """in epochs-window reads (a passive-target RMA read waits for a busy owner)"""
     prefill_s: float = 0.0
-    t0_perf_counter: float = 0.0  # this rank's clock at the prompt start (one clock for the
-    # processes of a node; timeline times are relative to it)
-    verify_trace: list[list[int]] = field(default_factory=list)  # [n_proposed, n_accepted]
-    timeline: list[list] = field(default_factory=list)  # [t0, t1, kind, n_tokens, context]
-    commit_times: list[list[float]] = field(default_factory=list)  # [t, n_committed] (last stage)
-    peak_rss_mb: float = 0.0  # this rank's peak resident memory so far
-    # this rank's process CPU seconds (every thread: time.process_time) when the prompt started on
-    # it and when it handed its stats over, and its clock then (as ``t0_perf_counter``): the cores
-    # it kept busy meanwhile, computing or not (``StageSummary.cpu_cores``)
+    """the prompt's prefill"""
+    t0_perf_counter: float = 0.0
+    """this rank's clock at the prompt start (one clock for the processes of a node; timeline times are
+    relative to it)"""
+    verify_trace: list[list[int]] = field(default_factory=list)
+    """[n_proposed, n_accepted]"""
+    timeline: list[list] = field(default_factory=list)
+    """[t0, t1, kind, n_tokens, context]"""
+    commit_times: list[list[float]] = field(default_factory=list)
+    """[t, n_committed] (last stage)"""
+    peak_rss_mb: float = 0.0
+    """this rank's peak resident memory so far"""
     cpu_start_s: float = 0.0
+    """this rank's process CPU seconds (every thread: time.process_time) when the prompt started on it and
+    when it handed its stats over, and its clock then (as ``t0_perf_counter``): the cores it kept busy
+    meanwhile, computing or not (``StageSummary.cpu_cores``)"""
     cpu_end_s: float = 0.0
+    """see ``cpu_start_s``"""
     t1_perf_counter: float = 0.0
-    threads: int = 0  # the CPU threads this rank computes with (its share of the node's cores)
-    cpus: list[int] | None = None  # the CPUs it was bound to (run.cpu_bind); None: as launched
-    cores: float | None = None  # the node's CPUs it accounts for in a cost (host/placement.py CpuShare.cores)
-    n_gpus: int = 0  # the GPUs it holds
-    bytes_sent: int = 0  # proposal bytes sent downstream (ids, and distributions when sampling)
-    drafter: dict = field(default_factory=dict)  # a model-free stage 0's own counters (models/suffix.py)
-    gpus: list[dict] = field(default_factory=list)  # NVML per device: energy_j, util_mean, mem_peak_mb
+    """see ``cpu_start_s``"""
+    threads: int = 0
+    """the CPU threads this rank computes with (its share of the node's cores)"""
+    cpus: list[int] | None = None
+    """the CPUs it was bound to (run.cpu_bind); None: as launched"""
+    cores: float | None = None
+    """the node's CPUs it accounts for in a cost (host/placement.py CpuShare.cores)"""
+    n_gpus: int = 0
+    """the GPUs it holds"""
+    bytes_sent: int = 0
+    """proposal bytes sent downstream (ids, and distributions when sampling)"""
+    drafter: dict = field(default_factory=dict)
+    """a model-free stage 0's own counters (models/suffix.py)"""
+    gpus: list[dict] = field(default_factory=list)
+    """NVML per device: energy_j, util_mean, mem_peak_mb"""
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
-    # ---------------------------------------------------------------- observers (the loop's events)
     def prefilled(self, seconds: float) -> None:
         """The prompt's prefill took ``seconds``."""
         self.prefill_s = seconds

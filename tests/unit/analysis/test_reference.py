@@ -21,7 +21,7 @@ from pipespec_mpi.config import (
     TokenizerConfig,
     TransportConfig,
 )
-from pipespec_mpi.config.reference import COMMAND, config_nodes, config_reference, field_comments, field_table
+from pipespec_mpi.config.reference import COMMAND, config_nodes, config_reference, field_docs, field_table
 from pipespec_mpi.data.config import DatasetConfig
 from pipespec_mpi.records import BenchmarkRow, MethodSummary, Record
 from pipespec_mpi.stage.stats import StageStats
@@ -87,53 +87,56 @@ def test_types_defaults_and_meanings_come_from_the_source():
     assert cells(text, "hierarchy.stages[i].threads")[1:3] == ["`int \0 None`", "`null`"]
     assert cells(text, "run.methods")[2] == "`[ar, sd, pipespec]`"
     assert cells(text, "hierarchy.name")[2] == "required"
-    assert cells(text, "hierarchy.tiny.seed")[3] == ""  # no comment: listed, meaning empty
+    assert cells(text, "hierarchy.tiny.seed")[3].startswith("seeds the target's weights")
 
 
-def test_comment_rules_on_the_real_sources():
-    stage = field_comments(StageConfig)
-    assert "greedy output is bitwise AR's" in stage["exact_rows"]  # continues "... attends as a"
-    assert stage["ngram"] == ""
-    run = field_comments(RunConfig)
+def test_every_field_has_a_docstring():
+    """Each setting and each output field says what it is (its docstring: the reference's meaning)."""
+    classes = [cls for _, cls in config_nodes()] + [cls for _, cls in OUTPUT_TABLES]
+    missing = [
+        f"{cls.__name__}.{name}" for cls in classes for name, doc in field_docs(cls).items() if not doc
+    ]
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_docstrings_on_the_real_sources():
+    stage = field_docs(StageConfig)
+    assert "greedy output is bitwise AR's" in stage["exact_rows"]  # a docstring of several lines
+    run = field_docs(RunConfig)
     assert run["on_error"].endswith("skip (errors.jsonl) | fail")
-    assert run["output_format"].startswith("results.jsonl always")  # the lines above it
-    assert run["epochs_window"].startswith("auto: shared memory") and run["progress"] == ""
-    assert field_comments(AutoConfig)["stale_factor"].startswith("how far apart")
-    stats = field_comments(StageStats)
-    assert stats["waits_chosen"].startswith("the adaptive policy")
-    assert stats["verify_cut"].startswith("its verifications") and stats["busy_s"] == ""
-    assert "timeline times are relative to it" in stats["t0_perf_counter"]
+    assert run["epochs_window"].startswith("auto: shared memory")
+    assert field_docs(AutoConfig)["stale_factor"].startswith("how far apart")
+    assert field_docs(TransportConfig)["op_timeout_s"].startswith("how long a posted")
+    stats = field_docs(StageStats)
+    assert (
+        stats["verify_cut"].startswith("its verifications") and "timeline times" in stats["t0_perf_counter"]
+    )
 
 
 @dataclass
 class _Sample:
-    """Fields commented every way the convention allows.
+    """Fields documented and not.
 
     Not part of the heading."""
 
     plain: int = 1
-    trailing: int = 2  # short
-    wrapped: str = "x"  # goes on over
-    # the next line
-    after: int = 3  # done
-    # about the next two
-    grouped: int = 4
-    follower: int = 5
-    unfinished: int = 6  # ends with a
-    # word that needs more
+    documented: int = 2
+    """short"""
+    wrapped: str = "x"
+    """goes on over
+    the next line with ``code``"""
+    # a comment is not a docstring
+    commented: int = 3  # nor is this
     alone: float = 0.5
 
 
-def test_comment_rules_on_a_sample():
-    got = field_comments(_Sample)
+def test_docstrings_on_a_sample():
+    got = field_docs(_Sample)
     assert got == {
         "plain": "",
-        "trailing": "short",
-        "wrapped": "goes on over the next line",
-        "after": "done",
-        "grouped": "about the next two",
-        "follower": "see `grouped`",
-        "unfinished": "ends with a word that needs more",
+        "documented": "short",
+        "wrapped": "goes on over the next line with `code`",
+        "commented": "",
         "alone": "",
     }
     table = field_table(_Sample)
