@@ -142,7 +142,7 @@ class Runner:
                 ]
                 for i, route in enumerate(routes)
             }
-            self.bell = setup.open_doorbell(cfg, self.world, pl, loaded)
+            self.bell = setup.open_doorbell(cfg, self.world, pl, loaded, lanes[None][0].window.kind)
         patient = self.patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
         slot_links = lanes[None]

@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
@@ -38,6 +38,11 @@ from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.ports import Proposer, Scorer, StagePorts, StageRole
 from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
 from pipespec_mpi.topology import Placement
+
+if TYPE_CHECKING:
+    from pipespec_mpi.data.requests import DatasetError
+    from pipespec_mpi.models.tokenizer import Tokenizer
+    from pipespec_mpi.run.gpu_monitor import GpuMonitor
 
 log = logging.getLogger("pipespec_mpi")
 
@@ -100,19 +105,19 @@ class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
     transport: Transport
-    p2p: Any  # transport.kind=strict: its communicator (comm/strict.py StrictP2P); else None
+    p2p: StrictP2P | None  # transport.kind=strict: its communicator; else None
     cpus: CpuPlacement
     cuda_devices: list[int]
-    tokenizer: Any
+    tokenizer: Tokenizer
     feed: RowFeed  # this replica's prompts, a round at a time (run/rows.py)
     n_prompts: int  # how many this replica decodes in all
     bad: list[BadRow]  # rank 0: the rows not decoded, and why (errors.jsonl); others: none
-    row_error: Any  # DatasetError | None: the job stops on its rows (the same on every rank)
+    row_error: DatasetError | None  # the job stops on its rows (the same on every rank)
     sampled: bool  # some job of the job samples (its temperature, or a row's own)
-    model: Any
+    model: Scorer | Proposer
     engines: list[str]  # per stage: the forward and plug-ins it runs (the same on every rank)
     vocab: int  # the widest logit row of the stages
-    gpu_monitor: Any  # GpuMonitor
+    gpu_monitor: GpuMonitor
 
 
 def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog) -> Loaded:
@@ -175,7 +180,9 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     return loaded
 
 
-def rendezvous(cfg: AppConfig, world: World, transport: Transport, watchdog: StartupWatchdog) -> Any:
+def rendezvous(
+    cfg: AppConfig, world: World, transport: Transport, watchdog: StartupWatchdog
+) -> StrictP2P | None:
     """torch.distributed for a torch transport (gloo, nccl, strict), each step of its rendezvous
     a phase of ``watchdog``; strict's communicator (comm/strict.py StrictP2P), else None.
     Collective over the world."""
@@ -371,11 +378,13 @@ def open_window(choice: str, comm, node_comm, world: World, pl: Placement, max_t
     return PushedEpochWindow(comm, max_tokens, neighbours, neighbours, header_only=header_only)
 
 
-def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -> Doorbell | None:
+def open_doorbell(
+    cfg: AppConfig, world: World, pl: Placement, loaded: Loaded, window: str
+) -> Doorbell | None:
     """This rank's doorbell (host/doorbell.py; collective over the world): rank 0 draws the job's
     token, every rank binds its bell and rings the replica's other ranks once; whether the bell
-    covers the rank: ``bell_covers``; whose hello came: ``heard``. None where the OS has no
-    abstract sockets, or ``run.doorbell`` is off."""
+    covers the rank (``bell_covers``, for the epochs ``window`` kind opened): whose hello came:
+    ``heard``. None where the OS has no abstract sockets, or ``run.doorbell`` is off."""
     if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
@@ -387,14 +396,13 @@ def open_doorbell(cfg: AppConfig, world: World, pl: Placement, loaded: Loaded) -
     sleep_at_barrier(world.comm)  # every hello in its bell's queue (a local datagram is, once sent)
     if bell is None:
         return None
-    kind = window_kind(cfg.run.epochs_window, world.hosts, pl.n_stages)
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     bell.heard = frozenset(bell.drain())
-    bell.covers = bell_covers(kind, loaded.transport, leviathan, set(pl.neighbours), bell.heard)
+    bell.covers = bell_covers(window, loaded.transport, leviathan, set(pl.neighbours), bell.heard)
     log.info(
         "waiting stages sleep until a neighbour rings (doorbell)"
         if bell.covers
-        else f"waiting stages poll, woken early by a ring (window {kind}, transport {loaded.transport}"
+        else f"waiting stages poll, woken early by a ring (window {window}, transport {loaded.transport}"
         f"{', leviathan' if leviathan else ''})"
     )
     return bell

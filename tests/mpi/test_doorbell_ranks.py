@@ -26,7 +26,7 @@ def rank_main() -> None:
 
     from pipespec_mpi.comm.bootstrap import world_info
     from pipespec_mpi.config.load import compose_config
-    from pipespec_mpi.run.setup import open_doorbell
+    from pipespec_mpi.run.setup import open_doorbell, window_kind
     from pipespec_mpi.topology import place
 
     world = world_info()
@@ -44,7 +44,8 @@ def rank_main() -> None:
         ("push", ["run.epochs_window=push"], "mpi", False),
     ):
         loaded = SimpleNamespace(transport=transport, sampled=sampled)
-        bell = open_doorbell(cfg(*overrides), world, pl, loaded)
+        c = cfg(*overrides)
+        bell = open_doorbell(c, world, pl, loaded, window_kind(c.run.epochs_window, world.hosts, 3))
         covers[name] = bell.covers
         if name == "mpi":
             kept = bell
@@ -52,7 +53,7 @@ def rank_main() -> None:
             bell.close()
     assert covers == {"mpi": True, "gloo": False, "leviathan": False, "push": False}, covers
     off = SimpleNamespace(transport="mpi", sampled=False)
-    assert open_doorbell(cfg("run.doorbell=false"), world, pl, off) is None
+    assert open_doorbell(cfg("run.doorbell=false"), world, pl, off, "shared") is None
 
     # rank 0 sends a small message, then rings rank 1: rank 1, woken, finds it at its first test
     buf = np.zeros(40, dtype=np.int64)

@@ -46,7 +46,7 @@ def probe_rank(run_dir: Path, overrides: list[str]) -> None:
     )  # fmt: skip
     with watchdog.phase("channels and windows"):
         links = setup.connect(cfg, world, pl, loaded)
-        setup.open_doorbell(cfg, world, pl, loaded)
+        setup.open_doorbell(cfg, world, pl, loaded, links.window.kind)
     watchdog.close()
     sleep_at_barrier(world.comm)
     links.close(cfg.run.stall_timeout_s)
