@@ -12,6 +12,7 @@ their requests together.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,29 @@ class Engine:
         """Slot ``slot`` starts a sequence that may reach ``room`` positions."""
         self.lengths[slot] = 0
         self._fit(room)
+
+    def warm_up(self, slots: int = 1) -> float:
+        """Under ``device.compile``, compile the forward's graphs before the first prompt: one
+        forward of each kind of shape a stage's schedule has (one slot and several where
+        ``slots`` > 1, one row and several; a few positions in), so that no prompt waits for the
+        compiler (each new kind of shape would, for tens of seconds: docs/gpu.md, "Compile
+        time"). Runs on slots 0 and 1 (made for it where missing, given back after), at load,
+        before any prompt: nothing it writes is ever read. Seconds taken."""
+        if not self.compiled:
+            return 0.0
+        t0 = time.perf_counter()
+        saved = list(self.lengths)
+        n = min(max(slots, 1), 2)
+        while len(self.lengths) < n:
+            self.new_slot()
+        try:
+            for k in sorted({1, n}):
+                for width in (1, 2):
+                    self.lengths[:k] = [3] * k
+                    self.run([Request(s, [0] * width, width) for s in range(k)])
+        finally:
+            self.lengths[:] = saved
+        return time.perf_counter() - t0
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> None:
         """A prompt's tokens into the slot's cache: one forward, whatever its width (eager: a
@@ -283,6 +307,10 @@ class EngineScorer:
         if any(sc.engine is not self.engine for sc, _, _ in requests):
             raise ValueError("score_many: requests of one engine only")
         return self.engine.run([sc.request(seq, proposal) for sc, seq, proposal in requests])
+
+    def warm_up(self, slots: int = 1) -> float:
+        """``Engine.warm_up`` (at load, before any prompt)."""
+        return self.engine.warm_up(slots)
 
     def truncate(self, length: int) -> None:
         lengths = self.engine.lengths

@@ -225,10 +225,11 @@ def stage_schedule(slots: list[EngineScorer]) -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_the_compiled_step_is_one_graph_per_few_shapes_under_the_jobs_flags():
     """``device.compile`` as a job runs it (``compile_forward``: the layer fullgraph, dynamic
-    shapes) over a stage's schedule on a model of 3 layers: no graph break, no recompile past
-    dynamo's limit (each would raise under ``fullgraph``), at most 4 graphs for all layers (one
-    compile serves every layer), and the eager engine's numbers. Graphs are counted on the
-    aot_eager backend (what dynamo captures does not depend on the backend)."""
+    shapes) over a stage's schedule on a model of several layers: every graph made by the
+    warm-up at load, no graph break, no recompile past dynamo's limit (each would raise under
+    ``fullgraph``), at most 4 graphs for all layers (one compile serves every layer), and the
+    eager engine's numbers. Graphs are counted on the aot_eager backend (what dynamo captures
+    does not depend on the backend)."""
     torch._dynamo.reset()
     counters.clear()
     model = tiny(torch.float64)
@@ -243,7 +244,11 @@ def test_the_compiled_step_is_one_graph_per_few_shapes_under_the_jobs_flags():
 
     eng = Engine(w)
     eng.step, eng.compiled = compile_forward(w, backend=recorded), True
-    compiled = stage_schedule([EngineScorer("c", eng) for _ in range(3)])
+    slots = [EngineScorer("c", eng) for _ in range(3)]
+    assert slots[0].warm_up(3) > 0 and eng.lengths == [0, 0, 0]
+    warmed = counters["stats"]["unique_graphs"]
+    compiled = stage_schedule(slots)
+    assert counters["stats"]["unique_graphs"] == warmed  # the warm-up made every graph it needs
     ref_eng = Engine(w)
     eager = stage_schedule([EngineScorer("e", ref_eng) for _ in range(3)])
     assert not counters["graph_break"], dict(counters["graph_break"])
