@@ -153,6 +153,23 @@ CASES: list[Case] = [
         )
         for h, r in (("tiny", 3), ("smollm2_suffix", 2))
     ),
+    # device.compile as a job runs it: each model stage's graphs made at load (the warm-up), then
+    # every method at batch 1 and 4 on the compiled forward (long: inductor compiles for minutes)
+    Case(
+        id="compiled-tiny",
+        ranks=3,
+        hierarchy="tiny",
+        kernels="portable",
+        methods=METHODS,
+        batch_sizes=(1, 4),
+        warmup_prompts=0,
+        max_new_tokens=24,
+        n_prompts=4,
+        extra=("device.compile=true",),
+        timeout=900,
+        verifies=True,
+        tier="long",
+    ),
     # NCCL's rules (comm/strict.py): batched slots share one link per pair (comm/mux.py)
     *(
         Case(

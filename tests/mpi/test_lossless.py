@@ -116,7 +116,7 @@ def check_drafter_counters(case: Case, recs: list[Record], run_dir: Path) -> Non
 def check_engines(case: Case, recs: list[Record], run_dir: Path) -> None:
     """Every record names each stage's forward and plug-ins: every model stage (all but a
     model-free drafter) ran the engine, with the CPU's plug-ins or, with ``kernels=portable``,
-    torch's linears and SDPA over the slots' grid."""
+    torch's linears and SDPA over the slots' grid, compiled where the case asks."""
     for r in recs:
         assert len(r.engines) == case.ranks, r.engines
         drafter = r.engines[0].startswith("model-free")  # a drafter is stage 0 or nothing
@@ -126,8 +126,13 @@ def check_engines(case: Case, recs: list[Record], run_dir: Path) -> None:
             assert text.startswith("engine on cpu"), text
             if case.kernels == "portable":
                 assert "linears Linear," in text and "SDPA over the slots' grid" in text, text
+                compiled = "device.compile=true" in case.extra
+                assert text.endswith(", compiled" if compiled else ", eager"), text
             else:  # the CPU's plug-ins (float32: the kernels' linears where they build)
                 assert "SiLU by rows" in text, text
+    if "device.compile=true" in case.extra:  # each model stage's graphs made at load
+        logs = [(run_dir / f"rank{r}.log").read_text() for r in range(case.ranks)]
+        assert all("compiled forward's graphs made in" in log for log in logs), logs
 
 
 def check_adaptive(case: Case, recs: list[Record], run_dir: Path) -> None:
