@@ -140,6 +140,11 @@ class CpuPlacement:
         self.threads = self.share.threads
         torch.set_num_threads(self.threads)
 
+    def one_count(self) -> None:
+        """One torch thread count on every route: the routes' own shares given up (for a compiled
+        forward, which would be compiled again for each count it meets)."""
+        self.routes = {}
+
     def enter(self, batch_size: int, method: str, route: tuple[int, ...] | None = None) -> None:
         """Threads and CPUs for a job of ``method`` at ``batch_size`` on ``route`` (None: the
         whole hierarchy; idempotent: the jobs of a phase ask alike; at batch 1 the methods

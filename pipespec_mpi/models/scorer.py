@@ -279,6 +279,11 @@ class EngineScorer:
         return self.engine.lengths[self.slot]
 
     @property
+    def compiled(self) -> bool:
+        """Its forward runs compiled (``device.compile``)."""
+        return self.engine.compiled
+
+    @property
     def thread_invariant(self) -> bool:
         """Its logits are bitwise the same on any number of threads: every linear, the attention
         and the activation on the CPU kernels (models/cpu/plugins.py)."""

@@ -155,6 +155,8 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
         if cpus.share.solo is not None and not getattr(model, "thread_invariant", False):
             cpus.as_alone()  # no method's output may differ from AR's by its threads
             log.info("stage %d: %d threads in every method (not thread-invariant)", pl.stage, cpus.threads)
+        if getattr(model, "compiled", False):
+            cpus.one_count()
         # compiled: its graphs made now, under the threads it decodes with (not mid-prompt)
         if (warm_up := getattr(model, "warm_up", None)) is not None and (seconds := warm_up(n_slots)):
             log.info("stage %d: its compiled forward's graphs made in %.1f s", pl.stage, seconds)

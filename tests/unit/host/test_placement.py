@@ -49,3 +49,15 @@ def test_a_stage_without_solo_keeps_its_share_in_ar(restored):
     cpus = CpuPlacement(CpuShare(1, (restored[0],)), "auto")  # a drafter: idle in AR
     cpus.enter(2, "ar")
     assert os.sched_getaffinity(0) == {restored[0]} and cpus.threads == 1
+
+
+def test_one_count_keeps_the_threads_on_every_route(restored):
+    """A compiled stage keeps one thread count (each count would compile its graphs again)."""
+    torch.set_num_threads(1)
+    cpus = CpuPlacement(CpuShare(1), "none", routes={(0, 2): CpuShare(2)})
+    cpus.enter(1, "pipespec", route=(0, 2))
+    assert cpus.threads == torch.get_num_threads() == 2  # the route's own share
+    cpus.one_count()
+    for route in ((0, 2), None, (0, 2)):
+        cpus.enter(1, "pipespec", route=route)
+        assert cpus.threads == torch.get_num_threads() == 1
