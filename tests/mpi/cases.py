@@ -95,6 +95,15 @@ def _fixed_lookahead(ranks: int, hierarchy: str, lookahead: int, transport: str,
 
 _LEVELS = levels()  # name -> environment: the CPU dispatch levels this machine can run
 
+
+def portable(id: str, hierarchy: str, ranks: int, timeout: float = 600, **more: object) -> Case:
+    """A case on the engine's portable plug-ins: every method at batch 1 and 4, verifying."""
+    return Case(
+        id=id, ranks=ranks, hierarchy=hierarchy, kernels="portable", methods=METHODS, batch_sizes=(1, 4),
+        warmup_prompts=0, max_new_tokens=24, n_prompts=4, verifies=True, timeout=timeout, **more,
+    )  # fmt: skip
+
+
 CASES: list[Case] = [
     _fixed_lookahead(3, "tiny", 0, "mpi", 64, ("ar", "pipespec")),
     _fixed_lookahead(3, "tiny", 1, "mpi", 40, METHODS),
@@ -137,39 +146,10 @@ CASES: list[Case] = [
         tier="long",
     ),
     # the engine with its portable plug-ins (torch's linears, SDPA over the slots' grid)
-    *(
-        Case(
-            id=f"portable-{h}",
-            ranks=r,
-            hierarchy=h,
-            kernels="portable",
-            methods=METHODS,
-            batch_sizes=(1, 4),
-            warmup_prompts=0,
-            max_new_tokens=24,
-            n_prompts=4,
-            timeout=600,
-            verifies=True,
-        )
-        for h, r in (("tiny", 3), ("smollm2_suffix", 2))
-    ),
+    *(portable(f"portable-{h}", h, r) for h, r in (("tiny", 3), ("smollm2_suffix", 2))),
     # device.compile as a job runs it: each model stage's graphs made at load (the warm-up), then
     # every method at batch 1 and 4 on the compiled forward (long: inductor compiles for minutes)
-    Case(
-        id="compiled-tiny",
-        ranks=3,
-        hierarchy="tiny",
-        kernels="portable",
-        methods=METHODS,
-        batch_sizes=(1, 4),
-        warmup_prompts=0,
-        max_new_tokens=24,
-        n_prompts=4,
-        extra=("device.compile=true",),
-        timeout=900,
-        verifies=True,
-        tier="long",
-    ),
+    portable("compiled-tiny", "tiny", 3, extra=("device.compile=true",), timeout=900, tier="long"),
     # NCCL's rules (comm/strict.py): batched slots share one link per pair (comm/mux.py)
     *(
         Case(
