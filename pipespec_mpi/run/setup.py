@@ -133,11 +133,8 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
+    cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, extra_routes(cfg))
     platform = current_platform()
-    # a GPU rank keeps one thread count for the job: per-route shares are for CPU hosts, and a
-    # compiled forward is compiled again for each thread count it meets (dynamo's guards)
-    routes = extra_routes(cfg) if platform.cpu_host else ()
-    cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, routes)
     cuda_devices = rank_devices(cfg, world, platform)
     platform.bind(cuda_devices)  # before any CUDA work of this rank
     node = node_gpus(cfg, world, platform, cuda_devices)
@@ -151,14 +148,13 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
         t0 = time.perf_counter()
         model = load_stage(cfg.hierarchy, pl.stage, cuda_devices, cfg.device.kernels, cfg.device.compile)
-        n_slots = max(batch_sizes(cfg))
         if cpus.share.solo is not None and not getattr(model, "thread_invariant", False):
             cpus.as_alone()  # no method's output may differ from AR's by its threads
             log.info("stage %d: %d threads in every method (not thread-invariant)", pl.stage, cpus.threads)
-        if getattr(model, "compiled", False):
+        if getattr(model, "compiled", False):  # on any device: dynamo guards on the thread count
             cpus.one_count()
-        # compiled: its graphs made now, under the threads it decodes with (not mid-prompt)
-        if (warm_up := getattr(model, "warm_up", None)) is not None and (seconds := warm_up(n_slots)):
+            # its graphs made now, under the threads it decodes with (not mid-prompt)
+            seconds = model.warm_up(max(batch_sizes(cfg)))
             log.info("stage %d: its compiled forward's graphs made in %.1f s", pl.stage, seconds)
         log.info(
             "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
