@@ -29,8 +29,8 @@ from mpi4py import MPI
 from pipespec_mpi.comm.bootstrap import init_torch_distributed, world_info
 from pipespec_mpi.comm.links import LinkSpec, open_receiver, open_sender
 from pipespec_mpi.comm.window import EpochWindow, PushedEpochWindow, SharedEpochWindow
+from pipespec_mpi.host.wait import wait_until
 from pipespec_mpi.stage.ports import Header
-from pipespec_mpi.stage.wait import wait_until
 
 
 def wait(cond, what):

@@ -31,10 +31,8 @@ from pipespec_mpi.comm.bootstrap import (
     shutdown_torch_distributed,
     world_info,
 )
-from pipespec_mpi.comm.window import check_one_sided
 from pipespec_mpi.config import load_config, register
-from pipespec_mpi.host.dispatch import check as check_dispatch
-from pipespec_mpi.platforms import check as check_platform
+from pipespec_mpi.platforms import preflight
 from pipespec_mpi.topology import check_world
 
 WORLD = None  # this process's world, set by current_world(); read by the task function
@@ -60,12 +58,7 @@ def app(cfg: DictConfig) -> None:
     world = current_world()
     try:
         typed = load_config(cfg)
-        # before any model loads: the CPU code paths asked for, the device, the MPI's windows
-        check_dispatch(typed.hierarchy)
-        check_platform(typed, world)
-        check_one_sided(typed.run.epochs_window)
-        if not typed.hierarchy.choose:  # a plan's stages are checked once it is chosen
-            check_world(world.size, typed.hierarchy.n_stages)
+        preflight(typed, world)  # before any model loads
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         logger = logging.getLogger("pipespec_mpi")
         logger.setLevel(logging.INFO)  # every rank's rank*.log says what it is doing
@@ -104,10 +97,10 @@ def run(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
 def run_auto(cfg, run_dir: Path, world, logger: logging.Logger) -> int:
     """``hierarchy=auto``: plan (plan/job.py), run the plan on the ranks it uses; every rank
     leaves together, with the job's exit code."""
+    from pipespec_mpi.host.wait import sleep_at_barrier
     from pipespec_mpi.plan import job as plan_job
     from pipespec_mpi.plan.record import write_plan
     from pipespec_mpi.plan.refit import RefitMemory
-    from pipespec_mpi.stage.wait import sleep_at_barrier
 
     job = plan_job.resolve(cfg, world)
     if world.rank == 0:

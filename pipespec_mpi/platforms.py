@@ -1,26 +1,35 @@
-"""The device seam: what the device a rank computes on does, in one place.
+"""The device seam: what the device a rank computes on decides, in one place.
 
-``current_platform()`` is a ``CpuPlatform`` or a ``CudaPlatform``. Each says which devices a stage
-gets, which settings it cannot run (checked once, before any model loads: one message naming
-each setting and its fix, exit 2), how to wait for the device, and whether the CPU host's
-machinery applies to its ranks (threads and CPU binding, host/placement.py ``CpuPlacement``; a waiting
-rank sleeping on the doorbell, host/doorbell.py). The stage loop and the decoding rules
+``current_platform()`` is a ``CpuPlatform`` or a ``CudaPlatform``, both a ``Platform``. Each
+says which devices a stage gets and which settings it cannot run (checked before any model
+loads: one message naming each setting and its fix, exit 2); ``Platform.resolve`` then decides,
+once per rank, what the rank runs: the transport, the engine's plug-ins and compilation, whether
+its torch threads follow each phase's share of the node, and how a waiting rank waits
+(``Resolved``: logged, and per stage in every record). The stage loop and the decoding rules
 (``stage/``, ``speculative/``) never ask: they compute on whatever tensors their scorer returns.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib.util
+import logging
 import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from pipespec_mpi.comm.window import check_one_sided
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.config.schema import Transport
 from pipespec_mpi.errors import UserError
-from pipespec_mpi.topology import device_for
+from pipespec_mpi.host.dispatch import check as check_dispatch
+from pipespec_mpi.models.loader import engine_kernels, stage_device
+from pipespec_mpi.topology import check_world, device_for
+
+log = logging.getLogger("pipespec_mpi")
 
 
 class PlatformError(UserError):
@@ -54,12 +63,122 @@ def shared(node: Sequence[RankGpus]) -> dict[str, list[RankGpus]]:
     return {u: rs for u, rs in by_uuid.items() if len(rs) > 1}
 
 
+def rows_may_travel(cfg: AppConfig) -> bool:
+    """Whether a job of ``cfg`` may send probability rows between stages: Leviathan sampling,
+    at the configured temperature or at a row's own (``dataset=files`` rows may carry one)."""
+    may_sample = cfg.sampling.temperature > 0 or cfg.dataset.name in ("files", "jsonl")
+    return may_sample and cfg.sampling.coupling == "leviathan"
+
+
 @dataclass(frozen=True)
-class CpuPlatform:
-    """Ranks on CPU cores: torch threads, CPU binding, the doorbell."""
+class Resolved:
+    """What the device seam decided for one rank, before its model loads."""
+
+    platform: str
+    """cpu | cuda"""
+    devices: tuple[int, ...]
+    """the GPU indices its stage computes on (none on a CPU, or for a model-free stage)"""
+    device: str
+    """where its stage's model computes (cpu, cuda:N; host: a model-free drafter)"""
+    transport: Transport
+    """what carries its proposals (``transport.kind``, auto resolved)"""
+    kernels: Literal["cpu", "portable"]
+    """the engine's plug-ins: a CPU's own kernels where they build, or torch's linears and SDPA"""
+    compile: bool
+    """the engine's forward compiled (where its plug-ins are torch's: models/engine.py)"""
+    thread_shares: bool
+    """its torch threads follow each phase's share of the node (host/placement.py); else one count"""
+    waits: Literal["doorbell", "poll"]
+    """a waiting rank sleeps until a neighbour rings (host/doorbell.py), or polls with backoff"""
+
+    def describe(self) -> str:
+        """One line for the logs and the records."""
+        gpus = f" (GPUs {','.join(map(str, self.devices))})" if len(self.devices) > 1 else ""
+        threads = "threads by phase" if self.thread_shares else "one thread count"
+        built = ", compiled" if self.compile else ""
+        return (
+            f"{self.platform} node, {self.device}{gpus}: {self.kernels} kernels{built}, "
+            f"transport {self.transport}, {threads}, waits by {self.waits}"
+        )
+
+
+class Platform(abc.ABC):
+    """A kind of device ranks compute on: its devices, what it cannot run, and what it decides."""
+
+    kind: str
+
+    @abc.abstractmethod
+    def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
+        """The device indices a stage's rank computes on."""
+
+    @abc.abstractmethod
+    def rank_gpus(self, rank: int, stage: int, devices: Sequence[int]) -> RankGpus:
+        """A rank's GPUs as the node's other ranks can compare them."""
+
+    @abc.abstractmethod
+    def own_gpus(self, node: Sequence[RankGpus]) -> bool:
+        """Whether every rank of the node computes on GPUs no other rank of it uses."""
+
+    @abc.abstractmethod
+    def problems(self, cfg: AppConfig, node: Sequence[RankGpus]) -> list[str]:
+        """Every setting of ``cfg`` this node's device cannot run, each with its fix."""
+
+    @abc.abstractmethod
+    def bind(self, devices: Sequence[int]) -> None:
+        """Make ``devices`` the rank's own, before any device work."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for the rank's own device work."""
+
+    @abc.abstractmethod
+    def thread_shares(self) -> bool:
+        """Whether a rank's torch threads follow each phase's share of the node."""
+
+    def checked_node(self, cfg: AppConfig, world, devices: Sequence[int]) -> list[RankGpus]:
+        """Every rank of this node with its GPUs (``node_gpus``: collective); ``PlatformError``
+        naming each setting the node cannot run."""
+        node = node_gpus(cfg, world, self, devices)
+        found = self.problems(cfg, node)
+        if found:
+            raise PlatformError("; ".join(found))
+        return node
+
+    def transport(self, kind: str, node: Sequence[RankGpus], rows: bool = True) -> Transport:
+        """``transport.kind``; auto: NCCL only where the messages may carry rows that live on the
+        GPU (``rows``: Leviathan's probability rows) and every rank of this node has GPUs no other
+        rank of it uses (by UUID: NCCL refuses two ranks on one GPU, and needs one on every rank);
+        else MPI. Token ids start and end on the host, where NCCL would only add a copy each way
+        and a kernel."""
+        if kind != Transport.auto:
+            return Transport(kind)
+        return Transport.nccl if rows and self.own_gpus(node) else Transport.mpi
+
+    def resolve(self, cfg: AppConfig, world) -> Resolved:
+        """Decide, once, what this rank runs (collective over ``world.comm``): its GPUs bound
+        first, the node's settings checked (``PlatformError``), then transport, engine, threads
+        and waiting."""
+        devices = rank_devices(cfg, world, self)
+        self.bind(devices)  # before any CUDA work of this rank
+        node = self.checked_node(cfg, world, devices)
+        device = stage_device(cfg.hierarchy, world.rank % max(1, cfg.hierarchy.n_stages), devices)
+        return Resolved(
+            platform=self.kind,
+            devices=tuple(devices),
+            device=device,
+            transport=self.transport(cfg.transport.kind, node, rows_may_travel(cfg)),
+            kernels=engine_kernels(cfg.device.kernels, device),
+            compile=cfg.device.compile,
+            thread_shares=self.thread_shares(),
+            waits="doorbell" if cfg.run.doorbell else "poll",
+        )
+
+
+@dataclass(frozen=True)
+class CpuPlatform(Platform):
+    """Ranks on CPU cores: the CPU's own kernels, torch threads by each phase's share."""
 
     kind: str = "cpu"
-    cpu_host: bool = True  # threads and binding per rank (CpuPlacement), the doorbell
 
     def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
         return []
@@ -92,12 +211,17 @@ class CpuPlatform:
     def synchronize(self) -> None:
         """Nothing to wait for: CPU ops are done when they return."""
 
+    def thread_shares(self) -> bool:
+        """The forwards run on the rank's threads: each phase (method, batch, route) takes the
+        share of the node that pays for it (host/placement.py)."""
+        return True
+
 
 EXCLUSIVE = ("Exclusive_Process", "Exclusive_Thread", "Prohibited")  # compute modes no two ranks share
 
 
 @dataclass(frozen=True)
-class CudaPlatform:
+class CudaPlatform(Platform):
     """Ranks on NVIDIA GPUs: a stage's GPUs in stage order among those the rank sees, known
     across ranks by UUID; the rank's current device and its stream."""
 
@@ -105,7 +229,6 @@ class CudaPlatform:
     uuids: tuple[str, ...] = ()  # per visible index ("" where unknown)
     modes: tuple[str, ...] = ()  # compute mode per visible index ("" where unknown)
     kind: str = "cuda"
-    cpu_host: bool = False
 
     def gpus(self, stage_gpus: Sequence[int], stage: int, local_rank: int) -> list[int]:
         return device_for(list(stage_gpus), stage, local_rank, self.count)
@@ -180,12 +303,14 @@ class CudaPlatform:
 
         torch.cuda.current_stream().synchronize()
 
+    def thread_shares(self) -> bool:
+        """The forwards run on the GPU: the rank keeps one thread count (a change would only
+        make a compiled forward's graphs again)."""
+        return False
+
 
 def _named(both: dict[str, list[RankGpus]]) -> str:
     return "; ".join(f"ranks {[r.rank for r in rs]} on {u}" for u, rs in both.items())
-
-
-Platform = CpuPlatform | CudaPlatform
 
 
 @functools.cache
@@ -239,6 +364,15 @@ def check(cfg: AppConfig, world, platform: Platform | None = None) -> None:
     """Raise ``PlatformError`` naming every setting this node's device cannot run (collective:
     every rank of the world calls it)."""
     platform = platform or current_platform()
-    found = platform.problems(cfg, node_gpus(cfg, world, platform, rank_devices(cfg, world, platform)))
-    if found:
-        raise PlatformError("; ".join(found))
+    platform.checked_node(cfg, world, rank_devices(cfg, world, platform))
+
+
+def preflight(cfg: AppConfig, world) -> None:
+    """Before any model loads, every check a node can fail, each a ``UserError`` naming its fix
+    (collective): the CPU code paths asked for (host/dispatch.py), the device's settings, the
+    MPI's one-sided windows (comm/window.py) and the world's size (a plan's, once chosen)."""
+    check_dispatch(cfg.hierarchy)
+    check(cfg, world)
+    check_one_sided(cfg.run.epochs_window)
+    if not cfg.hierarchy.choose:
+        check_world(world.size, cfg.hierarchy.n_stages)

@@ -139,6 +139,9 @@ class Record:
     """per stage: the host it ran on"""
     engines: list[str] = field(default_factory=list)
     """per stage: the forward and plug-ins it ran"""
+    seams: list[str] = field(default_factory=list)
+    """per stage: what the device seam decided for its rank (platforms.py ``Resolved``: device,
+    kernels, compilation, transport, threads, waiting)"""
     hierarchy: str | None
     """the hierarchy's name"""
     models: list[str]

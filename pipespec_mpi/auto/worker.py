@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from pipespec_mpi.config import HierarchyConfig, StageConfig, TinyBaseConfig, TokenizerConfig
-from pipespec_mpi.stage.wait import Backoff
+from pipespec_mpi.host.wait import Backoff
 
 
 def hierarchy_from(node: dict) -> HierarchyConfig:

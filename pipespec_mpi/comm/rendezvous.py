@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from pipespec_mpi.stage.wait import Backoff
+from pipespec_mpi.host.wait import Backoff
 
 CHECK_IN_TAG = 0x7E11  # MPI tag of the check-in and of rank 0's answer (not used by the channels)
 MARK = "pipespec/joined/{rank}"  # a rank's mark in the store

@@ -46,7 +46,7 @@ class Mode(Choice):
 
 class Transport(Choice):
     """What carries proposals between stages (comm/): ``auto`` is resolved at start-up
-    (run/setup.py ``resolve_transport``) to one of the others."""
+    (platforms.py ``Platform.resolve``) to one of the others."""
 
     auto = "auto"
     mpi = "mpi"

@@ -23,7 +23,7 @@ The collectives that begin and end a job (the deal, the start gate, the handoff:
 non-blocking votes and sends, which ring nobody) complete only as their members poll them; a
 stage that joins one rings the replica's other stages (``RingingGate``, ``RingingDeal``,
 ``RingingHandoff``), so that a rank waiting there may sleep longer between polls and poll again
-soon after a ring (``drive``'s ``patient`` waits).
+soon after a ring (``drive``'s waits on a collective, where ``Doorbell.collectives``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ class Doorbell:
         # every change the rank's stage waits for rings this bell by the time it is visible (set
         # by run/setup.py open_doorbell); False: its driver polls, woken early by a ring
         self.covers = False
+        # every other stage of the replica rings it as it joins a collective (the deal, the start
+        # gate, the handoff): its driver may sleep between polls there (set by open_doorbell)
+        self.collectives = False
         self._holding = 0  # nested ``held`` blocks open
         self._owed: set[int] = set()  # the ranks rung inside them
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from pipespec_mpi.config import DRAFTER_KINDS, HierarchyConfig, StageConfig, TokenizerConfig
+from pipespec_mpi.config.schema import Kernels
 from pipespec_mpi.models.engine import Weights, unsupported_reason
 from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.scorer import Engine, EngineScorer
@@ -51,12 +54,24 @@ def _unavailable(stage: str, ident: str, err: Exception) -> ModelUnavailable:
     )
 
 
-def resolve_device(stage: StageConfig, cuda_devices: list[int]) -> torch.device:
-    if stage.device != "auto":
-        return torch.device(stage.device)
-    if torch.cuda.is_available() and cuda_devices:
-        return torch.device(f"cuda:{cuda_devices[0]}")
-    return torch.device("cpu")
+def stage_device(hier: HierarchyConfig, stage: int, devices: Sequence[int]) -> str:
+    """Where a stage's model computes: its ``device`` setting, else its rank's first GPU
+    (``devices``), else the CPU; a CPU copy of a target (int8_copy, lowbit_copy) on the CPU, a
+    model-free drafter on the host."""
+    s = hier.stages[stage]
+    if stage in hier.model_free:
+        return "host"
+    if s.kind in ("int8_copy", "lowbit_copy"):
+        return "cpu"
+    if s.device != "auto":
+        return s.device
+    return f"cuda:{devices[0]}" if devices else "cpu"
+
+
+def engine_kernels(asked: str, device: str) -> Literal["cpu", "portable"]:
+    """The engine's plug-ins for ``device.kernels``: auto takes the project's kernels on a CPU
+    (models/cpu/), torch's linears and SDPA elsewhere; portable takes torch's everywhere."""
+    return "cpu" if asked == Kernels.auto and device == "cpu" else "portable"
 
 
 def _from_pretrained(stage: StageConfig, device: torch.device, cuda_devices: list[int], **extra):
@@ -151,9 +166,7 @@ def load_stage(
         return PromptLookup(stage.name, stage.ngram, stage.max_proposal)
     if stage.kind == "suffix":
         return _suffix_drafter(hier, stage)
-    device = resolve_device(stage, cuda_devices)
-    if stage.kind in ("int8_copy", "lowbit_copy"):  # copies on the CPU kernels (or fbgemm)
-        device = torch.device("cpu")
+    device = torch.device(stage_device(hier, index, cuda_devices))
     if stage.quantization == "int4":  # read on the host, quantized onto the device linear by linear
         from pipespec_mpi.models.int4 import quantize_int4
 
@@ -195,7 +208,7 @@ def model_scorer(
         if device.type == "cpu":  # on CUDA, SDPA with a mask and enable_gqa falls back to its math kernel
             use_sdpa_gqa(model)
         return TransformersScorer(name, model, device)
-    if kernels == "auto" and device.type == "cpu":
+    if engine_kernels(kernels, device.type) == "cpu":
         from pipespec_mpi.models.cpu.plugins import cpu_weights
 
         if flat_linear and model.model.embed_tokens.weight.dtype == torch.float32:

@@ -20,6 +20,7 @@ from pipespec_mpi.auto.measure import within
 from pipespec_mpi.comm.bootstrap import World, mpi, sub_world
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
+from pipespec_mpi.host.wait import sleep_at_barrier
 from pipespec_mpi.plan.options import AUTO_GRID, Plan
 from pipespec_mpi.plan.realize import online_pipeline, realize
 from pipespec_mpi.plan.record import Machine, PlanRecord, RunsAs, SearchInputs, read_plan, write_plan
@@ -29,7 +30,6 @@ from pipespec_mpi.plan.sources import MeasuredSource
 from pipespec_mpi.plan.table import table
 from pipespec_mpi.records import SUMMARY, find_entry, group_key, read_summary
 from pipespec_mpi.run.decisions import ONLINE
-from pipespec_mpi.stage.wait import sleep_at_barrier
 from pipespec_mpi.topology import parse_route
 
 log = logging.getLogger("pipespec_mpi")

@@ -154,10 +154,11 @@ class RecordAssembler:
         epochs_window: str | None = None,
         hosts: list[str] | None = None,
         engines: list[str] | None = None,
+        seams: list[str] | None = None,
     ) -> None:
         self.cfg, self.replica, self.transport, self.decode = cfg, replica, transport, decode
         self.epochs_window, self.hosts = epochs_window, list(hosts or [])
-        self.engines = list(engines or [])
+        self.engines, self.seams = list(engines or []), list(seams or [])
 
     def __call__(self, job: Job, outcome: StageOutcome, stats: list[StageStats]) -> Record:
         cfg = self.cfg
@@ -206,6 +207,7 @@ class RecordAssembler:
             epochs_window=self.epochs_window,
             hosts=self.hosts,
             engines=self.engines,
+            seams=self.seams,
             hierarchy=cfg.hierarchy.name,
             models=[s.name for s in cfg.hierarchy.stages],
             stages=stats,

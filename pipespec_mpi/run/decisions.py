@@ -34,7 +34,7 @@ class PlanMemory(Protocol):
     def save(self, batch_size: int, estimates: dict[str, float]) -> None: ...
 
 
-Wait = Callable[[Callable[[], bool], str], None]  # wait(done, what): until done(), pumping the loops
+WaitFor = Callable[[Callable[[], bool], str], None]  # wait(done, what): until done(), pumping the loops
 
 
 class OnlineDecisions:
@@ -65,7 +65,7 @@ class OnlineDecisions:
             parts[-1].append(job)
         return parts
 
-    def agree(self, part: list[Job], comm, wait: Wait) -> list[Job]:
+    def agree(self, part: list[Job], comm, wait: WaitFor) -> list[Job]:
         """``part``'s jobs on the plan the leader picks (a collective of the replica's stages)."""
         leader = self.pl.n_stages - 1  # the leader's rank in the replica's communicator
         buf = np.zeros(1, dtype=np.int64)

@@ -1,8 +1,8 @@
 """The driver of a stage on a rank: step it until DONE on a real clock, and wait without burning a
 core while it waits (a neighbour's ring on the doorbell, host/doorbell.py, or backoff sleeps).
 
-The stage says what it waits for (``Steppable.rung``, ``patient``, ``recheck_at``: stage/process.py);
-how to wait for it is decided here, on the CPU host. The schedule explorer drives the same
+The stage says what it waits on (``Steppable.wait``: a ``Wait``, stage/prompt.py); how to wait for
+it is decided here, on the CPU host. The schedule explorer drives the same
 steppables its own way (simulate/explore/).
 """
 
@@ -12,13 +12,15 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from pipespec_mpi.host.wait import Backoff, StallError
 from pipespec_mpi.stage.loop import Step
 from pipespec_mpi.stage.process import Steppable
-from pipespec_mpi.stage.wait import Backoff, StallError
+from pipespec_mpi.stage.prompt import On
 
 
 class Bell(Protocol):
     covers: bool  # every neighbour's change rings it by the time the change is visible
+    collectives: bool  # every other stage of the replica rings it as it joins a collective
 
     def wait(self, timeout_s: float) -> bool:
         """Sleep until rung or ``timeout_s`` passed; take the rings."""
@@ -45,14 +47,14 @@ def drive(
     bell: Bell | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> None:
-    """Step until DONE on a real clock: again at once after progress; while waiting, asleep until
-    a neighbour rings ``bell`` (or the stepper's own ``recheck_at``, or the quiet limit:
-    ``quiet_limit``) where the bell covers what it waits for; at a collective whose other stages
-    ring when they join (``patient``), backoff sleeps up to the quiet limit, started again by
+    """Step until DONE on a real clock: again at once after progress; while waiting on a
+    neighbour, asleep until it rings ``bell`` (or the wait's ``until``, or the quiet limit:
+    ``quiet_limit``) where the bell covers the rank; on a collective whose other stages ring when
+    they join (``bell.collectives``), backoff sleeps up to the quiet limit, started again by
     every ring (a collective completes only as its members poll it, so a ring says: poll soon);
     elsewhere backoff sleeps of 20 us doubling to 1 ms, cut short by a ring; never spinning.
     ``StallError`` once nothing has moved for ``stall_timeout_s``. ``clock``: the stage clock
-    ``recheck_at`` is on, and its waiting steps' cost (``quiet_limit``)."""
+    ``until`` is on, and its waiting steps' cost (``quiet_limit``)."""
     backoff = Backoff()
     last = time.monotonic()
     cost = 0.0  # a waiting step's seconds (exponential average)
@@ -67,13 +69,14 @@ def drive(
         cost += 0.2 * (clock() - t0 - cost)
         if time.monotonic() - last > stall_timeout_s:
             raise StallError(f"{stepper.describe()}: no progress for {stall_timeout_s:.0f} s")
-        quiet = quiet_limit(cost)
         if bell is None:
             backoff.sleep()
-        elif bell.covers and stepper.rung():
-            bell.wait(_until_recheck(stepper, quiet, clock))
-        elif bell.covers and stepper.patient():
-            if bell.wait(_until_recheck(stepper, backoff.take(quiet), clock)):
+            continue
+        quiet, w = quiet_limit(cost), stepper.wait()
+        if bell.covers and w.on is On.NEIGHBOUR:
+            bell.wait(_until(w.until, quiet, clock))
+        elif bell.covers and w.on is On.COLLECTIVE and bell.collectives:
+            if bell.wait(_until(w.until, backoff.take(quiet), clock)):
                 backoff.reset()
         else:
             bell.wait(backoff.take())
@@ -85,7 +88,6 @@ def quiet_limit(step_s: float) -> float:
     return min(QUIET_MAX_S, max(QUIET_S, step_s / QUIET_SHARE))
 
 
-def _until_recheck(stepper: Steppable, timeout_s: float, clock: Callable[[], float]) -> float:
-    """``timeout_s``, cut to the stepper's ``recheck_at``."""
-    at = stepper.recheck_at
+def _until(at: float | None, timeout_s: float, clock: Callable[[], float]) -> float:
+    """``timeout_s``, cut to a wait's ``until`` (``at``, on ``clock``)."""
     return timeout_s if at is None else min(timeout_s, max(0.0, at - clock()))

@@ -23,6 +23,7 @@ from pipespec_mpi.comm.bootstrap import World, mpi
 from pipespec_mpi.config import AppConfig
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingDeal, RingingGate, RingingHandoff
+from pipespec_mpi.host.wait import StallError, wait_until
 from pipespec_mpi.records import ERRORS, write_errors
 from pipespec_mpi.run import setup
 from pipespec_mpi.run.collect import (
@@ -35,7 +36,7 @@ from pipespec_mpi.run.collect import (
     part_path,
     progress_bar,
 )
-from pipespec_mpi.run.decisions import OnlineDecisions, PlanMemory, Wait
+from pipespec_mpi.run.decisions import OnlineDecisions, PlanMemory, WaitFor
 from pipespec_mpi.run.drain import StopRequest, clear_stale_stop_file, exit_code
 from pipespec_mpi.run.drive import drive
 from pipespec_mpi.run.faults import maybe_fail
@@ -59,7 +60,7 @@ from pipespec_mpi.stage.batch import BatchedStage
 from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop, Step
 from pipespec_mpi.stage.process import StageProcess
-from pipespec_mpi.stage.wait import StallError, wait_until
+from pipespec_mpi.stage.prompt import On, Wait
 from pipespec_mpi.topology import Placement, place
 
 log = logging.getLogger("pipespec_mpi")
@@ -84,24 +85,18 @@ def _received(req, into: list) -> bool:
 
 class Collective:
     """A replica collective as a steppable (``drive`` waits for it): DONE once ``done()``, the
-    loops taking in proposals and beating meanwhile; ``patient`` where every other stage of the
-    replica rings this rank as it joins."""
+    loops taking in proposals and beating meanwhile."""
 
-    recheck_at = None
-
-    def __init__(self, done: Callable[[], bool], loops: list[StageLoop], what: str, patient: bool) -> None:
-        self.done, self.loops, self.what, self._patient = done, loops, what, patient
+    def __init__(self, done: Callable[[], bool], loops: list[StageLoop], what: str) -> None:
+        self.done, self.loops, self.what = done, loops, what
 
     def step(self) -> Step:
         for loop in self.loops:
             loop.pump()
         return Step.DONE if self.done() else Step.WAITING
 
-    def rung(self) -> bool:
-        return False
-
-    def patient(self) -> bool:
-        return self._patient
+    def wait(self) -> Wait:
+        return Wait(On.COLLECTIVE)
 
     def describe(self) -> str:
         return f"waiting for {self.what}"
@@ -113,7 +108,6 @@ class Runner:
         self.comm = world.comm
         self.pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
         self.bell: Doorbell | None = None  # set up with the links (host/doorbell.py)
-        self.patient = False  # every other stage of the replica rings this rank at collectives
         self.memory = memory  # what the online plan starts from and leaves for the next job
         self.collector: Collector | None = None
 
@@ -143,7 +137,6 @@ class Runner:
                 for i, route in enumerate(routes)
             }
             self.bell = setup.open_doorbell(cfg, self.world, pl, loaded, lanes[None][0].window.kind)
-        patient = self.patient = setup.patient_at_collectives(self.bell, pl)
         watchdog.close()
         slot_links = lanes[None]
         loops = [
@@ -166,8 +159,8 @@ class Runner:
         collector = None
         if pl.is_last:
             assemble = RecordAssembler(
-                cfg, replica=pl.replica, transport=loaded.transport, decode=loaded.tokenizer.decode,
-                epochs_window=links.window.kind, hosts=hosts, engines=loaded.engines,
+                cfg, replica=pl.replica, transport=loaded.seam.transport, decode=loaded.tokenizer.decode,
+                epochs_window=links.window.kind, hosts=hosts, engines=loaded.engines, seams=loaded.seams,
             )  # fmt: skip
             collector = Collector(
                 assemble,
@@ -187,7 +180,7 @@ class Runner:
             to_leader = LeaderHandoff(
                 comm, pl.stage, pl.n_stages, gpu_monitor=monitor, on_record=collector,
                 cpus=loaded.cpus, slot=s,
-                n_gpus=len(loaded.cuda_devices) if loaded.gpu_monitor.devices else 0,
+                n_gpus=len(loaded.seam.devices) if loaded.gpu_monitor.devices else 0,
             )  # fmt: skip
 
             def started(job: Job) -> None:
@@ -205,7 +198,7 @@ class Runner:
             return StageProcess(
                 self._loops_for(group[0].route)[s], gate, handoff, group,
                 verifier_for=lambda job: make_verifier(sampler_for(cfg, job), pl.stage), on_start=started,
-                deal=deal, collectives_ring=patient,
+                deal=deal,
             )  # fmt: skip
 
         # A round of rows at a time (run/rows.py): plan its jobs, decode them, then every replica
@@ -338,7 +331,7 @@ class Runner:
     def _all_loops(self) -> list[StageLoop]:
         return [loop for loops in self.route_loops.values() for loop in loops]
 
-    def _waiter(self, loops: list[StageLoop], timeout_s: float | None = None) -> Wait:
+    def _waiter(self, loops: list[StageLoop], timeout_s: float | None = None) -> WaitFor:
         """``wait(done, what)``: until ``done()``, without spinning, taking in proposals (kept for
         their prompt) and beating on every slot; a StallError after ``timeout_s``
         (run.stall_timeout_s by default)."""
@@ -377,9 +370,9 @@ class Runner:
             raise err
         return done or set()
 
-    def _replica_wait(self, loops: list[StageLoop]) -> Wait:
+    def _replica_wait(self, loops: list[StageLoop]) -> WaitFor:
         """``wait(done, what)`` for a collective of the replica this rank just joined: it rings
-        the replica's other stages, and sleeps until they ring as they join (``drive``'s patient
+        the replica's other stages, and sleeps until they ring as they join (``drive``'s
         wait, host/doorbell.py), taking in proposals and beating meanwhile. A stage that sits a
         prompt out waits here through the prompt: polled every millisecond, it took CPU from the
         stages on the route (docs/notebook.md, "The online plan")."""
@@ -388,7 +381,7 @@ class Runner:
             if self.bell is not None:
                 for r in self.pl.peers:
                     self.bell.ring(r)
-            collective = Collective(done, loops, what, self.patient)
+            collective = Collective(done, loops, what)
             drive(collective, self.cfg.run.stall_timeout_s, self.bell)
 
         return wait

@@ -29,7 +29,8 @@ from pipespec_mpi.data.datasets import BadRow
 from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.doorbell import Doorbell, RingingSender, RingingWindow, bell_covers
 from pipespec_mpi.host.placement import CpuPlacement, share_cpus
-from pipespec_mpi.platforms import Platform, RankGpus, current_platform, node_gpus, rank_devices
+from pipespec_mpi.host.wait import sleep_at_barrier, wait_until
+from pipespec_mpi.platforms import Resolved, current_platform
 from pipespec_mpi.run import rows
 from pipespec_mpi.run.jobs import batch_sizes
 from pipespec_mpi.run.online import extra_routes
@@ -37,7 +38,6 @@ from pipespec_mpi.run.rows import RowFeed
 from pipespec_mpi.run.startup import StartupWatchdog
 from pipespec_mpi.stage.loop import StageLoop
 from pipespec_mpi.stage.ports import Proposer, Scorer, StagePorts, StageRole
-from pipespec_mpi.stage.wait import sleep_at_barrier, wait_until
 from pipespec_mpi.topology import Placement
 
 if TYPE_CHECKING:
@@ -57,25 +57,6 @@ class PerfClock:
 
     def now(self) -> float:
         return time.perf_counter()
-
-
-def resolve_transport(
-    kind: str, platform: Platform, node: Sequence[RankGpus], rows: bool = True
-) -> Transport:
-    """``transport.kind``; auto: NCCL only where the messages may carry rows that live on the GPU
-    (``rows``: Leviathan's probability rows) and every rank of this node has GPUs no other rank of
-    it uses (by UUID: NCCL refuses two ranks on one GPU, and needs one on every rank); else MPI.
-    Token ids start and end on the host, where NCCL would only add a copy each way and a kernel."""
-    if kind != Transport.auto:
-        return Transport(kind)
-    return Transport.nccl if rows and platform.own_gpus(node) else Transport.mpi
-
-
-def rows_may_travel(cfg: AppConfig) -> bool:
-    """Whether a job of ``cfg`` may send probability rows between stages: Leviathan sampling,
-    at the configured temperature or at a row's own (``dataset=files`` rows may carry one)."""
-    may_sample = cfg.sampling.temperature > 0 or cfg.dataset.name in ("files", "jsonl")
-    return may_sample and cfg.sampling.coupling == "leviathan"
 
 
 def place_cpus(
@@ -105,10 +86,9 @@ def place_cpus(
 class Loaded:
     """What a rank holds once loaded: where it runs, and what every stage agreed on."""
 
-    transport: Transport
+    seam: Resolved  # what the device seam decided for this rank (platforms.py)
     p2p: StrictP2P | None  # transport.kind=strict: its communicator; else None
     cpus: CpuPlacement
-    cuda_devices: list[int]
     tokenizer: Tokenizer
     feed: RowFeed  # this replica's prompts, a round at a time (run/rows.py)
     n_prompts: int  # how many this replica decodes in all
@@ -117,6 +97,7 @@ class Loaded:
     sampled: bool  # some job of the job samples (its temperature, or a row's own)
     model: Scorer | Proposer
     engines: list[str]  # per stage: the forward and plug-ins it runs (the same on every rank)
+    seams: list[str]  # per stage: what the device seam decided for it (the same on every rank)
     vocab: int  # the widest logit row of the stages
     gpu_monitor: GpuMonitor
 
@@ -134,12 +115,10 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
     comm = world.comm
     stage_cfg = cfg.hierarchy.stages[pl.stage]
     cpus = place_cpus(cfg.hierarchy, pl.stage, world, cfg.run.cpu_bind, extra_routes(cfg))
-    platform = current_platform()
-    cuda_devices = rank_devices(cfg, world, platform)
-    platform.bind(cuda_devices)  # before any CUDA work of this rank
-    node = node_gpus(cfg, world, platform, cuda_devices)
-    transport = resolve_transport(cfg.transport.kind, platform, node, rows_may_travel(cfg))
-    p2p = rendezvous(cfg, world, transport, watchdog)
+    seam = current_platform().resolve(cfg, world)
+    log.info("stage %d: %s", pl.stage, seam.describe())
+    cuda_devices = list(seam.devices)
+    p2p = rendezvous(cfg, world, seam.transport, watchdog)
 
     with watchdog.phase("tokenizer"):
         tokenizer = load_tokenizer(cfg.hierarchy.tokenizer, cfg.hierarchy.name)
@@ -147,30 +126,31 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
 
     with watchdog.phase(f"model load (stage {pl.stage}, {stage_cfg.name})"):
         t0 = time.perf_counter()
-        model = load_stage(cfg.hierarchy, pl.stage, cuda_devices, cfg.device.kernels, cfg.device.compile)
+        model = load_stage(cfg.hierarchy, pl.stage, cuda_devices, seam.kernels, seam.compile)
         if cpus.share.solo is not None and not getattr(model, "thread_invariant", False):
             cpus.as_alone()  # no method's output may differ from AR's by its threads
             log.info("stage %d: %d threads in every method (not thread-invariant)", pl.stage, cpus.threads)
-        if getattr(model, "compiled", False):  # on any device: dynamo guards on the thread count
+        compiled = getattr(model, "compiled", False)  # dynamo guards on the thread count
+        if compiled or not seam.thread_shares:
             cpus.one_count()
-            # its graphs made now, under the threads it decodes with (not mid-prompt)
+        if compiled:  # its graphs made now, under the threads it decodes with (not mid-prompt)
             seconds = model.warm_up(max(batch_sizes(cfg)))
             log.info("stage %d: its compiled forward's graphs made in %.1f s", pl.stage, seconds)
         log.info(
-            "stage %d (%s) loaded in %.1f s, %d threads on %s, transport %s",
-            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where, transport),
+            "stage %d (%s) loaded in %.1f s, %d threads on %s",
+            *(pl.stage, stage_cfg.name, time.perf_counter() - t0, cpus.threads, cpus.where),
         )
         sleep_at_barrier(comm)  # the stages load for seconds to minutes; MPICH's collectives spin
         context = smallest_context(cfg, pl, comm, model)
-        engines = stage_engines(pl, comm, model)
+        engines = per_stage(pl, comm, engine_of(model))
+        seams = per_stage(pl, comm, seam.describe())
 
     with watchdog.phase("rows"):
         found = rows.scan(cfg, comm, tokenizer, context)
         loaded = Loaded(
-            transport=transport,
+            seam=seam,
             p2p=p2p,
             cpus=cpus,
-            cuda_devices=cuda_devices,
             tokenizer=tokenizer,
             feed=rows.feed(cfg, comm, pl, tokenizer, context),
             n_prompts=found.share(pl.replica, pl.n_replicas),
@@ -179,6 +159,7 @@ def load(cfg: AppConfig, world: World, pl: Placement, watchdog: StartupWatchdog)
             sampled=found.sampled,
             model=model,
             engines=engines,
+            seams=seams,
             vocab=0,
             gpu_monitor=GpuMonitor(cuda_devices if torch.cuda.is_available() else []),
         )
@@ -229,13 +210,17 @@ def smallest_context(cfg: AppConfig, pl: Placement, comm, model) -> tuple | None
     return min(contexts) if contexts else None
 
 
-def stage_engines(pl: Placement, comm, model) -> list[str]:
-    """Per stage, the forward and plug-ins it runs (``describe``; a model-free drafter its
-    kind), gathered: the same on every rank (the first replica's where replicas differ)."""
+def engine_of(model) -> str:
+    """The forward and plug-ins ``model`` runs (``describe``; a model-free drafter its kind)."""
     describe = getattr(model, "describe", None)
-    mine = (pl.stage, describe() if describe is not None else f"model-free ({type(model).__name__})")
+    return describe() if describe is not None else f"model-free ({type(model).__name__})"
+
+
+def per_stage(pl: Placement, comm, mine: str) -> list[str]:
+    """Every stage's ``mine``, gathered: the same on every rank (the first replica's where
+    replicas differ)."""
     found: dict[int, str] = {}
-    for stage, text in comm.allgather(mine):
+    for stage, text in comm.allgather((pl.stage, mine)):
         found.setdefault(stage, text)
     return [found[s] for s in sorted(found)]
 
@@ -298,11 +283,11 @@ def connect(
     opened by the first lane that needs it and kept in ``pairs`` for the others (comm/mux.py)."""
     MPI = mpi()
     comm = world.comm
-    device = None
-    if loaded.transport == Transport.nccl:
+    transport, device = loaded.seam.transport, None
+    if transport == Transport.nccl:
         import torch
 
-        device = torch.device(f"cuda:{loaded.cuda_devices[0]}")
+        device = torch.device(f"cuda:{loaded.seam.devices[0]}")
     t = cfg.transport
     # Leviathan sampling: each proposal carries the float32 distribution it was drawn from.
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
@@ -310,23 +295,21 @@ def connect(
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
     sender: Any
     receiver: Any
-    if not loaded.transport.one_link_per_pair:
+    if not transport.one_link_per_pair:
         chan = dict(
             depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot)
         )
         sender = (
-            open_sender(loaded.transport, comm, LinkSpec(pl.downstream, **chan))
+            open_sender(transport, comm, LinkSpec(pl.downstream, **chan))
             if pl.downstream is not None
             else None
         )
         receiver = (
-            open_receiver(loaded.transport, comm, LinkSpec(pl.upstream, **chan))
-            if pl.upstream is not None
-            else None
+            open_receiver(transport, comm, LinkSpec(pl.upstream, **chan)) if pl.upstream is not None else None
         )
     else:
         pairs = {} if pairs is None else pairs
-        link_comm = loaded.p2p if loaded.transport == Transport.strict else comm
+        link_comm = loaded.p2p if transport == Transport.strict else comm
         # one route decodes at a time: a pair's link carries at most one route's slots at once
         chan = dict(depth=t.depth * slots, max_msg_tokens=width, device=device, dist_width=dist_width)
         sender = receiver = None
@@ -336,14 +319,14 @@ def connect(
             key = ("to", pl.downstream)
             owner = key not in pairs
             if owner:
-                pairs[key] = open_sender(loaded.transport, link_comm, LinkSpec(pl.downstream, **chan))
+                pairs[key] = open_sender(transport, link_comm, LinkSpec(pl.downstream, **chan))
                 pairs[key].hello(lambda c, w: wait_until(c, cfg.run.stall_timeout_s, w))
             sender = SlotSender(pairs[key], slot, owner)
         if pl.upstream is not None:
             key = ("from", pl.upstream)
             owner = key not in pairs
             if owner:
-                pairs[key] = Demux(open_receiver(loaded.transport, link_comm, LinkSpec(pl.upstream, **chan)))
+                pairs[key] = Demux(open_receiver(transport, link_comm, LinkSpec(pl.upstream, **chan)))
             receiver = SlotReceiver(pairs[key], slot, owner)
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
@@ -390,8 +373,9 @@ def open_doorbell(
     """This rank's doorbell (host/doorbell.py; collective over the world): rank 0 draws the job's
     token, every rank binds its bell and rings the replica's other ranks once; whether the bell
     covers the rank (``bell_covers``, for the epochs ``window`` kind opened): whose hello came:
-    ``heard``. None where the OS has no abstract sockets, or ``run.doorbell`` is off."""
-    if not cfg.run.doorbell:  # the same on every rank: no collective is skipped by some
+    ``heard``. None where the OS has no abstract sockets, or the seam says poll (``run.doorbell``
+    off)."""
+    if loaded.seam.waits != "doorbell":  # the same on every rank: no collective is skipped by some
         return None
     token = world.comm.bcast(secrets.token_hex(8) if world.rank == 0 else None, root=0)
     bell = Doorbell.open(token, world.rank)
@@ -404,21 +388,16 @@ def open_doorbell(
         return None
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     bell.heard = frozenset(bell.drain())
-    bell.covers = bell_covers(window, loaded.transport, leviathan, set(pl.neighbours), bell.heard)
+    bell.covers = bell_covers(window, loaded.seam.transport, leviathan, set(pl.neighbours), bell.heard)
+    # every other stage of the replica reached it with a hello, so their rings as they join reach it
+    bell.collectives = set(pl.peers) <= bell.heard
     log.info(
         "waiting stages sleep until a neighbour rings (doorbell)"
         if bell.covers
-        else f"waiting stages poll, woken early by a ring (window {window}, transport {loaded.transport}"
+        else f"waiting stages poll, woken early by a ring (window {window}, transport {loaded.seam.transport}"
         f"{', leviathan' if leviathan else ''})"
     )
     return bell
-
-
-def patient_at_collectives(bell: Doorbell | None, pl: Placement) -> bool:
-    """Whether this rank may wait at a job's collectives between rings (``drive``'s patient
-    waits, where its bell covers it): every other stage of the replica reached it with a hello,
-    so their rings when they join (every rank with a bell rings) reach it too."""
-    return bell is not None and set(pl.peers) <= bell.heard
 
 
 def stage_loop(

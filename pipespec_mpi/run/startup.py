@@ -3,7 +3,7 @@ channels and windows) has ``run.startup_timeout_s``; one that overruns ends the 
 message naming the phase, the rank and the job's hosts, instead of hanging with empty logs (a
 multi-host gloo job whose rendezvous could not happen once sat 240 s with nothing in rank*.log).
 
-The stall watchdog (stage/wait.py) covers the decoding; this covers what comes before it. Each
+The stall watchdog (host/wait.py) covers the decoding; this covers what comes before it. Each
 phase is logged as it starts, on every rank (its rank*.log), so a slow phase is visible while it
 runs, not only when it fails.
 """

@@ -279,12 +279,13 @@ class Engine:
             if step is not Step.WAITING:  # again at once after progress, as a rank's driver does
                 self.wake(i, self.next_run[i])
             else:  # asleep until something it can see changes, or its policy wants to look again
-                rechecks = [n.loop.recheck_at for n in self.nodes[i::k] if n.loop.recheck_at is not None]
+                rechecks = [n.loop.until for n in self.nodes[i::k] if n.loop.until is not None]
                 if rechecks:
                     self.wake(i, max(min(rechecks), clock.now()))
         if end_t is None:
             state = {
-                n.i: (len(n.loop.out), len(n.loop.inbox.tokens), n.outcome is not None) for n in self.nodes
+                n.i: (len(n.loop.p.out), len(n.loop.p.inbox.tokens), n.outcome is not None)
+                for n in self.nodes
             }
             raise RuntimeError(f"simulation stalled before the last stage finished: {state}")
         wall = end_t - starts[-1]  # as the last stage measures it: from its own start

@@ -293,7 +293,7 @@ class Policy(Protocol):
         """The next action; ``upstream_idle`` is read only when the decision depends on it."""
         ...
 
-    def recheck_at(self, d: Decision, now: float) -> float | None:
+    def decide_again_at(self, d: Decision, now: float) -> float | None:
         """When a wait of its choice (``d.chosen``) stops paying with nothing changed (None: on
         change only)."""
         ...
@@ -328,7 +328,7 @@ class StaticPolicy:
             d = paper_rule(replace(v, upstream_idle=True), self.cfg)
         return d
 
-    def recheck_at(self, d: Decision, now: float) -> float | None:
+    def decide_again_at(self, d: Decision, now: float) -> float | None:
         return None
 
     def observe(self, o: Observation) -> None:
@@ -382,7 +382,7 @@ class AdaptivePolicy:
             elif d.upstream_matters:
                 c.waits_chosen += 1
 
-    def recheck_at(self, d: Decision, now: float) -> float | None:
+    def decide_again_at(self, d: Decision, now: float) -> float | None:
         g = self.est.expected_wait_gap()  # the next proposal is due then
         due = [x for x in (None if g is None else now + max(g, 1e-4), d.until) if x is not None]
         return min(due, default=None)

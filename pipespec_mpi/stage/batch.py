@@ -46,6 +46,7 @@ from pipespec_mpi.speculative.verifiers import check_all
 from pipespec_mpi.stage.loop import Forward, Step
 from pipespec_mpi.stage.ports import Clock, Scorer
 from pipespec_mpi.stage.process import StageProcess, jobs_left
+from pipespec_mpi.stage.prompt import Wait
 
 # (scorer, seq, proposal) per forward -> logits [len(proposal)+1, V] per forward
 ScoreBatch = Callable[[list[tuple[Scorer, list[int], list[int]]]], list[torch.Tensor]]
@@ -167,16 +168,9 @@ class BatchedStage:
             out.append((slot, f))
         return out
 
-    def rung(self) -> bool:
-        return all(p.rung() for i, p in enumerate(self.slots) if not self.done[i])
-
-    def patient(self) -> bool:
-        return all(p.patient() for i, p in enumerate(self.slots) if not self.done[i])
-
-    @property
-    def recheck_at(self) -> float | None:
-        at = [p.recheck_at for i, p in enumerate(self.slots) if not self.done[i]]
-        return min((t for t in at if t is not None), default=None)
+    def wait(self) -> Wait:
+        """The live slots' waits as one: the least announced, the earliest recheck."""
+        return Wait.all([p.wait() for i, p in enumerate(self.slots) if not self.done[i]])
 
     def describe(self) -> str:
         live = [f"slot {i}: {p.describe()}" for i, p in enumerate(self.slots) if not self.done[i]]

@@ -21,6 +21,7 @@ from typing import Protocol
 from pipespec_mpi.speculative.verifiers import Checked, Verifier
 from pipespec_mpi.stage.deal import END, Deal, InTurn
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
+from pipespec_mpi.stage.prompt import On, Wait
 from pipespec_mpi.stage.stats import StageOutcome
 
 
@@ -60,18 +61,8 @@ class Steppable(Protocol):
 
     def describe(self) -> str: ...
 
-    def rung(self) -> bool:
-        """Everything its last WAITING step waits for rings its rank's bell (host/doorbell.py):
-        a neighbour's publish or proposal, or its own ``recheck_at``."""
-
-    def patient(self) -> bool:
-        """After a WAITING iteration that is not ``rung``: whatever it waits for is at most a
-        collective of its replica away, whose other stages ring it when they join (the deal,
-        the start gate, the handoff); its driver may sleep between polls (run/drive.py)."""
-
-    @property
-    def recheck_at(self) -> float | None:
-        """When to step again although no neighbour rang (the stage clock), None: only when rung."""
+    def wait(self) -> Wait:
+        """After a WAITING step: what it waits on (stage/prompt.py)."""
 
 
 class StageProcess:
@@ -88,13 +79,8 @@ class StageProcess:
         verifier_for: Callable[[Job], Verifier],
         on_start: Callable[[Job], None] | None = None,
         deal: Deal | None = None,
-        collectives_ring: bool = False,
     ) -> None:
         self.loop, self.gate, self.handoff = loop, gate, handoff
-        # every other stage of the replica rings this rank when it joins the deal, the gate or
-        # the handoff (host/doorbell.py RingingGate, RingingDeal, RingingHandoff): waits there
-        # may sleep longer
-        self.collectives_ring = collectives_ring
         self.jobs, self.verifier_for, self.on_start = list(jobs), verifier_for, on_start
         self.deal = deal if deal is not None else InTurn(len(self.jobs))
         self.index = -1
@@ -174,19 +160,12 @@ class StageProcess:
     def complete(self, fwd: Forward, checked: Checked, t0: float) -> Step:
         return self.loop.complete(fwd, checked, t0)
 
-    def rung(self) -> bool:
-        """Decoding, nothing left unsent: only a neighbour or its policy's recheck moves it (the
-        start gate, the deal and the handoff are MPI collectives: a ring there says a member
-        joined, not that the collective completed; see ``patient``)."""
-        return self.phase == "decode" and self.loop.rung()
-
-    def patient(self) -> bool:
-        """Rung, or waiting for a collective whose other stages ring when they join."""
-        return self.rung() or (self.collectives_ring and self.phase in ("deal", "gate", "handoff"))
-
-    @property
-    def recheck_at(self) -> float | None:
-        return self.loop.recheck_at if self.phase == "decode" else None
+    def wait(self) -> Wait:
+        """Decoding: the stage loop's wait; at the deal, the start gate or the handoff: the
+        replica's collective."""
+        if self.phase == "decode":
+            return self.loop.wait()
+        return Wait(On.COLLECTIVE if self.phase in ("deal", "gate", "handoff") else On.OTHER)
 
     @property
     def waits_for_upstream(self) -> bool:

@@ -31,7 +31,7 @@ def rows(k: int, n: int):
 
 def send_side(transport: str, comm, dist_width: int, wait) -> None:
     from pipespec_mpi.comm.links import LinkSpec, open_sender
-    from pipespec_mpi.stage.wait import Backoff
+    from pipespec_mpi.host.wait import Backoff
 
     snd = open_sender(transport, comm, LinkSpec(1, DEPTH, WIDTH, None, dist_width))
     backoff = Backoff()
@@ -80,7 +80,7 @@ def rank_main(transport: str) -> None:
     from mpi4py import MPI
 
     from pipespec_mpi.comm.bootstrap import init_torch_distributed, shutdown_torch_distributed, world_info
-    from pipespec_mpi.stage.wait import wait_until
+    from pipespec_mpi.host.wait import wait_until
 
     world = world_info()
     comm = MPI.COMM_WORLD

@@ -20,12 +20,15 @@ ROUNDS = 300
 
 
 def rank_main() -> None:
+    from dataclasses import replace
     from types import SimpleNamespace
 
     import numpy as np
 
     from pipespec_mpi.comm.bootstrap import world_info
     from pipespec_mpi.config.load import compose_config
+    from pipespec_mpi.config.schema import Transport
+    from pipespec_mpi.platforms import current_platform
     from pipespec_mpi.run.setup import open_doorbell, window_kind
     from pipespec_mpi.topology import place
 
@@ -43,8 +46,9 @@ def rank_main() -> None:
         ("leviathan", ["sampling.temperature=1.0"], "mpi", True),
         ("push", ["run.epochs_window=push"], "mpi", False),
     ):
-        loaded = SimpleNamespace(transport=transport, sampled=sampled)
         c = cfg(*overrides)
+        seam = replace(current_platform().resolve(c, world), transport=Transport(transport))
+        loaded = SimpleNamespace(seam=seam, sampled=sampled)
         bell = open_doorbell(c, world, pl, loaded, window_kind(c.run.epochs_window, world.hosts, 3))
         covers[name] = bell.covers
         if name == "mpi":
@@ -52,8 +56,10 @@ def rank_main() -> None:
         else:
             bell.close()
     assert covers == {"mpi": True, "gloo": False, "leviathan": False, "push": False}, covers
-    off = SimpleNamespace(transport="mpi", sampled=False)
-    assert open_doorbell(cfg("run.doorbell=false"), world, pl, off, "shared") is None
+    off = cfg("run.doorbell=false")
+    seam = current_platform().resolve(off, world)
+    assert seam.waits == "poll"
+    assert open_doorbell(off, world, pl, SimpleNamespace(seam=seam, sampled=False), "shared") is None
 
     # rank 0 sends a small message, then rings rank 1: rank 1, woken, finds it at its first test
     buf = np.zeros(40, dtype=np.int64)
@@ -76,16 +82,16 @@ def rank_main() -> None:
     # a deal over the replica: ranks 0 and 1 wait while rank 2 (the last stage) has not claimed
     from pipespec_mpi.run.collect import VoteDeal
     from pipespec_mpi.run.drive import drive
-    from pipespec_mpi.run.setup import patient_at_collectives
     from pipespec_mpi.stage.deal import JobQueue
     from pipespec_mpi.stage.loop import Step
+    from pipespec_mpi.stage.prompt import On, Wait
 
     peers = pl.peers
     assert peers == [r for r in range(3) if r != world.rank], peers
-    assert kept.heard == set(peers) and patient_at_collectives(kept, pl)
+    assert kept.heard == set(peers) and kept.collectives
 
     class CountingBell:
-        covers = True
+        covers = collectives = True
 
         def __init__(self, bell):
             self.bell, self.waits = bell, 0
@@ -102,13 +108,8 @@ def rank_main() -> None:
             self.got = self.deal.dealt()
             return Step.WAITING if self.got is None else Step.DONE
 
-        def rung(self):
-            return False
-
-        def patient(self):
-            return True
-
-        recheck_at = None
+        def wait(self):
+            return Wait(On.COLLECTIVE)
 
         def describe(self):
             return "at the deal"

@@ -116,9 +116,14 @@ def check_drafter_counters(case: Case, recs: list[Record], run_dir: Path) -> Non
 def check_engines(case: Case, recs: list[Record], run_dir: Path) -> None:
     """Every record names each stage's forward and plug-ins: every model stage (all but a
     model-free drafter) ran the engine, with the CPU's plug-ins or, with ``kernels=portable``,
-    torch's linears and SDPA over the slots' grid, compiled where the case asks."""
+    torch's linears and SDPA over the slots' grid, compiled where the case asks; and what the
+    device seam decided for it (``Record.seams``) says the same."""
     for r in recs:
         assert len(r.engines) == case.ranks, r.engines
+        assert len(r.seams) == case.ranks and all(t.startswith("cpu node, ") for t in r.seams), r.seams
+        for text in r.seams[r.engines[0].startswith("model-free") :]:
+            kernels = "portable kernels" if case.kernels == "portable" else "cpu kernels"
+            assert text.startswith(f"cpu node, cpu: {kernels}") and f"transport {r.transport}" in text, text
         drafter = r.engines[0].startswith("model-free")  # a drafter is stage 0 or nothing
         if (case.hierarchy or "").endswith("_suffix"):
             assert r.engines[0] == "model-free (SuffixDrafter)"

@@ -23,10 +23,10 @@ def probe_rank(run_dir: Path, overrides: list[str]) -> None:
 
     from pipespec_mpi.comm.bootstrap import shutdown_torch_distributed, world_info
     from pipespec_mpi.config import compose_config
+    from pipespec_mpi.host.wait import sleep_at_barrier
     from pipespec_mpi.platforms import current_platform
     from pipespec_mpi.run import setup
     from pipespec_mpi.run.startup import StartupWatchdog
-    from pipespec_mpi.stage.wait import sleep_at_barrier
     from pipespec_mpi.topology import place
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the stress loop's stack dump
@@ -38,11 +38,11 @@ def probe_rank(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_config(overrides)
     pl = place(world.rank, world.size, cfg.hierarchy.n_stages)
     watchdog = StartupWatchdog(cfg.run.startup_timeout_s, world.rank, world.hosts)
-    transport = setup.resolve_transport(cfg.transport.kind, current_platform(), [])
-    p2p = setup.rendezvous(cfg, world, transport, watchdog)
+    seam = current_platform().resolve(cfg, world)
+    p2p = setup.rendezvous(cfg, world, seam.transport, watchdog)
     loaded = setup.Loaded(
-        transport=transport, p2p=p2p, cpus=None, cuda_devices=[], tokenizer=None, feed=None, n_prompts=0,
-        bad=[], row_error=None, sampled=False, model=None, engines=[], vocab=0, gpu_monitor=None,
+        seam=seam, p2p=p2p, cpus=None, tokenizer=None, feed=None, n_prompts=0, bad=[], row_error=None,
+        sampled=False, model=None, engines=[], seams=[], vocab=0, gpu_monitor=None,
     )  # fmt: skip
     with watchdog.phase("channels and windows"):
         links = setup.connect(cfg, world, pl, loaded)

@@ -9,8 +9,15 @@ from types import SimpleNamespace
 import pytest
 
 from pipespec_mpi.config import compose_config
-from pipespec_mpi.platforms import CpuPlatform, CudaPlatform, PlatformError, check, node_gpus, rank_devices
-from pipespec_mpi.run.setup import resolve_transport, rows_may_travel
+from pipespec_mpi.platforms import (
+    CpuPlatform,
+    CudaPlatform,
+    PlatformError,
+    check,
+    node_gpus,
+    rank_devices,
+    rows_may_travel,
+)
 
 
 def cfg(*over: str):
@@ -83,22 +90,22 @@ def test_ranks_are_told_apart_by_gpu_uuid_not_by_count():
     gpus = node.gpus(cfg())
     assert [r.uuids for r in gpus] == [("u0",), ("u1",), ("u2",)]
     assert PER_TASK[0].problems(cfg("transport.kind=nccl"), gpus) == []
-    assert resolve_transport("auto", PER_TASK[0], gpus) == "nccl"
+    assert PER_TASK[0].transport("auto", gpus) == "nccl"
 
 
 def test_auto_transport_takes_nccl_only_with_a_gpu_per_rank():
     one, three = Node(SHARED_ONE, SHARED_ONE, SHARED_ONE), Node(SHARED_THREE, SHARED_THREE, SHARED_THREE)
-    assert resolve_transport("auto", SHARED_ONE, one.gpus(cfg())) == "mpi"
-    assert resolve_transport("auto", SHARED_THREE, three.gpus(cfg())) == "nccl"
-    assert resolve_transport("auto", CpuPlatform(), []) == "mpi"
-    assert resolve_transport("gloo", SHARED_THREE, three.gpus(cfg())) == "gloo"
+    assert SHARED_ONE.transport("auto", one.gpus(cfg())) == "mpi"
+    assert SHARED_THREE.transport("auto", three.gpus(cfg())) == "nccl"
+    assert CpuPlatform().transport("auto", []) == "mpi"
+    assert SHARED_THREE.transport("gloo", three.gpus(cfg())) == "gloo"
 
 
 def test_auto_sends_token_ids_over_mpi_and_only_rows_over_nccl():
     """Token ids start and end on the host: NCCL only where Leviathan's rows may travel."""
     three = Node(SHARED_THREE, SHARED_THREE, SHARED_THREE).gpus(cfg())
-    assert resolve_transport("auto", SHARED_THREE, three, rows=False) == "mpi"
-    assert resolve_transport("nccl", SHARED_THREE, three, rows=False) == "nccl"  # asked for: kept
+    assert SHARED_THREE.transport("auto", three, rows=False) == "mpi"
+    assert SHARED_THREE.transport("nccl", three, rows=False) == "nccl"  # asked for: kept
     assert not rows_may_travel(cfg())  # greedy
     assert rows_may_travel(cfg("sampling.temperature=0.7"))
     assert not rows_may_travel(cfg("sampling.temperature=0.7", "sampling.coupling=gumbel"))
@@ -111,7 +118,7 @@ def test_a_model_free_stage_needs_no_gpu_and_keeps_nccl_away():
     node._of = lambda rank, platform, _c=None: Node._of(node, rank, platform, c)
     gpus = node.gpus(c)
     assert gpus[0].uuids == () and gpus[1].uuids == ("u0",)  # the next stages start at the first GPU
-    assert resolve_transport("auto", SHARED_THREE, gpus) == "mpi"
+    assert SHARED_THREE.transport("auto", gpus) == "mpi"
     (msg,) = SHARED_THREE.problems(replace(c, transport=replace(c.transport, kind="nccl")), gpus)
     assert "stage(s) [0] have none" in msg
 
@@ -136,3 +143,37 @@ def test_a_rank_binds_its_first_gpu_and_waits_for_its_own_stream(monkeypatch):
     SHARED_THREE.bind([2, 3])
     SHARED_THREE.synchronize()
     assert calls == [("set_device", 2), "stream"]
+
+
+def test_resolve_decides_what_each_rank_runs_once(monkeypatch):
+    """``Platform.resolve``: the one place a rank's device, engine plug-ins, compilation,
+    transport, threads and waiting are chosen, and what the records carry (``describe``)."""
+    bound = []
+    monkeypatch.setattr(CudaPlatform, "bind", lambda self, devices: bound.append(list(devices)))
+    per_task = Node(*PER_TASK)
+    leviathan = cfg("sampling.temperature=0.7", "device.compile=true")
+    r = PER_TASK[2].resolve(leviathan, per_task.world(2))
+    assert (r.platform, r.devices, r.device, r.kernels, r.compile) == (
+        "cuda",
+        (0,),
+        "cuda:0",
+        "portable",
+        True,
+    )
+    assert r.transport == "nccl" and not r.thread_shares and r.waits == "doorbell" and bound == [[0]]
+    assert r.describe() == (
+        "cuda node, cuda:0: portable kernels, compiled, transport nccl, one thread count, waits by doorbell"
+    )
+    cpu = Node(CpuPlatform(), CpuPlatform(), CpuPlatform())
+    r = CpuPlatform().resolve(cfg("run.doorbell=false"), cpu.world(1))
+    assert (r.device, r.kernels, r.transport, r.thread_shares, r.waits) == ("cpu", "cpu", "mpi", True, "poll")
+    assert CpuPlatform().resolve(cfg("device.kernels=portable"), cpu.world(1)).kernels == "portable"
+    # a CPU copy of the target computes on the CPU kernels on a GPU node too; a drafter on the host
+    copies = compose_config(["hierarchy=smollm2_int8"])
+    assert copies.hierarchy.stages[0].kind == "int8_copy"
+    r = PER_TASK[0].resolve(copies, Node(*PER_TASK[:2]).world(0))
+    assert (r.device, r.kernels) == ("cpu", "cpu")
+    c = compose_config(["hierarchy=tiny_suffix"])
+    assert CpuPlatform().resolve(c, cpu.world(0)).device == "host"
+    with pytest.raises(PlatformError, match="transport.kind=nccl needs CUDA"):
+        CpuPlatform().resolve(cfg("transport.kind=nccl"), cpu.world(0))

@@ -38,6 +38,7 @@ from pipespec_mpi.stage.deal import JobQueue
 from pipespec_mpi.stage.loop import StageLoop, Step
 from pipespec_mpi.stage.ports import Header, Proposal, Proposer, Scorer, StagePorts, StageRole
 from pipespec_mpi.stage.process import StageProcess
+from pipespec_mpi.stage.prompt import On, Wait
 from pipespec_mpi.stage.stats import StageOutcome
 
 
@@ -153,7 +154,7 @@ class World:
         self.starved: tuple[int, int] | None = None  # (stage, until tick)
         self.trace: deque[str] = deque(maxlen=60)
         # The doorbell check (host/doorbell.py): a stage whose step waited with a bell that covers
-        # it (``rung()``), every read fresh and no recheck due (``recheck_at`` None), sleeps until
+        # it (``Wait`` on a neighbour), every read fresh and no recheck due (``until`` None), sleeps until
         # something it reads changes (``stir``); a step before then must wait again, or the real
         # driver would have slept through a change (until its 10 ms limit). A wait with a recheck
         # ends by itself (the policy's own interval: its upstream's expected gap, or the end of a
@@ -296,13 +297,13 @@ class World:
         k = self.sc.k
         fresh = not any(n % k == i for n in self.stale_reads)
         stage = self.procs[i]
-        if self.check_sleep and s is Step.WAITING and fresh and stage.rung() and stage.recheck_at is None:
+        if self.check_sleep and s is Step.WAITING and fresh and stage.wait() == Wait(On.NEIGHBOUR):
             self.asleep.add(i)
 
     def _state(self) -> str:
         parts = []
         for p in self.slot_procs:
-            lp = p.loop
+            lp = p.loop.p
             extra = ""
             if p.phase == "decode":
                 extra = (f" out={len(lp.out)} sent={lp.outbox.sent} epoch={lp.epoch}"

@@ -34,7 +34,7 @@ from pipespec_mpi.comm.channel import (
     used_words,
 )
 from pipespec_mpi.comm.links import open_receiver, open_sender
-from pipespec_mpi.stage.wait import wait_until
+from pipespec_mpi.host.wait import wait_until
 
 
 def wait(cond, what):

@@ -22,6 +22,7 @@ from pipespec_mpi.host.doorbell import (
 from pipespec_mpi.run.drive import QUIET_MAX_S, QUIET_S, drive, quiet_limit
 from pipespec_mpi.stage.loop import Step
 from pipespec_mpi.stage.ports import Header
+from pipespec_mpi.stage.prompt import On, Wait
 
 
 @pytest.fixture
@@ -85,6 +86,7 @@ def test_a_bell_of_another_job_is_not_rung():
 
 class FakeBell:
     covers = True
+    collectives = True
 
     def __init__(self, rings=()):
         self.rung, self.waits = [], []
@@ -208,17 +210,14 @@ def test_joining_a_collective_rings_the_replicas_other_stages(port, join, wait, 
 class Stepper:
     """A scripted steppable that says whether a ring covers its wait and when to recheck."""
 
-    def __init__(self, steps, rung=True, recheck_at=None, patient=False):
-        self.steps, self._rung, self.recheck_at, self._patient = list(steps), rung, recheck_at, patient
+    def __init__(self, steps, on=On.NEIGHBOUR, until=None):
+        self.steps, self.on, self.until = list(steps), on, until
 
     def step(self):
         return self.steps.pop(0) if self.steps else Step.DONE
 
-    def rung(self):
-        return self._rung
-
-    def patient(self):
-        return self._rung or self._patient
+    def wait(self):
+        return Wait(self.on, self.until)
 
     def describe(self):
         return "scripted stage"
@@ -229,16 +228,16 @@ def test_drive_sleeps_on_a_covering_bell_until_rung_recheck_or_quiet():
     drive(Stepper([Step.WAITING] * 3), stall_timeout_s=60, bell=bell)
     assert bell.waits == [QUIET_S] * 3  # no 20 us polls: only a ring (or the safety net) wakes it
     bell.waits.clear()
-    drive(Stepper([Step.WAITING] * 2, recheck_at=100.002), stall_timeout_s=60, bell=bell, clock=lambda: 100.0)
+    drive(Stepper([Step.WAITING] * 2, until=100.002), stall_timeout_s=60, bell=bell, clock=lambda: 100.0)
     assert bell.waits == pytest.approx([0.002, 0.002])
     bell.waits.clear()
-    drive(Stepper([Step.WAITING], recheck_at=99.0), stall_timeout_s=60, bell=bell, clock=lambda: 100.0)
+    drive(Stepper([Step.WAITING], until=99.0), stall_timeout_s=60, bell=bell, clock=lambda: 100.0)
     assert bell.waits == [0.0]  # a recheck already due: step again at once
 
 
 def test_drive_polls_with_backoff_where_the_bell_does_not_cover():
     bell = FakeBell()
-    drive(Stepper([Step.WAITING] * 8, rung=False), stall_timeout_s=60, bell=bell)
+    drive(Stepper([Step.WAITING] * 8, on=On.OTHER), stall_timeout_s=60, bell=bell)
     assert bell.waits == pytest.approx([20e-6, 40e-6, 80e-6, 160e-6, 320e-6, 640e-6, 1e-3, 1e-3])
     bell.waits.clear()
     bell.covers = False
@@ -248,15 +247,19 @@ def test_drive_polls_with_backoff_where_the_bell_does_not_cover():
 
 def test_drive_backs_off_to_the_quiet_limit_at_a_ringing_collective_and_polls_again_when_rung():
     bell = FakeBell(rings={11})
-    drive(Stepper([Step.WAITING] * 13, rung=False, patient=True), stall_timeout_s=60, bell=bell)
+    drive(Stepper([Step.WAITING] * 13, on=On.COLLECTIVE), stall_timeout_s=60, bell=bell)
     doubling = [20e-6 * 2**i for i in range(9)]  # 20 us .. 5.12 ms
     assert bell.waits == pytest.approx([*doubling, QUIET_S, QUIET_S, 20e-6, 40e-6])
     bell = FakeBell()
-    drive(Stepper([Step.WAITING] * 12, rung=False, patient=True, recheck_at=100.002), 60, bell, lambda: 100.0)
+    drive(Stepper([Step.WAITING] * 12, on=On.COLLECTIVE, until=100.002), 60, bell, lambda: 100.0)
     assert max(bell.waits) == pytest.approx(0.002)  # a slot's recheck still cuts the sleep
     bell = FakeBell()
     bell.covers = False  # rings may not come: the 1 ms polls of old
-    drive(Stepper([Step.WAITING] * 9, rung=False, patient=True), stall_timeout_s=60, bell=bell)
+    drive(Stepper([Step.WAITING] * 9, on=On.COLLECTIVE), stall_timeout_s=60, bell=bell)
+    assert max(bell.waits) == pytest.approx(1e-3)
+    bell = FakeBell()
+    bell.collectives = False  # a replica's stage never said hello: it may not ring as it joins
+    drive(Stepper([Step.WAITING] * 9, on=On.COLLECTIVE), stall_timeout_s=60, bell=bell)
     assert max(bell.waits) == pytest.approx(1e-3)
 
 
@@ -299,6 +302,6 @@ def test_the_quiet_limit_grows_with_a_waiting_steps_cost_to_keep_its_wakeups_che
     assert all(QUIET_S < w <= QUIET_MAX_S for w in bell.waits)
     assert bell.waits == sorted(bell.waits) and bell.waits[-1] == QUIET_MAX_S  # an average of steps
     bell.waits.clear()
-    drive(Costly([Step.WAITING] * 14, rung=False, patient=True), stall_timeout_s=60, bell=bell,
+    drive(Costly([Step.WAITING] * 14, on=On.COLLECTIVE), stall_timeout_s=60, bell=bell,
           clock=lambda: now[0])  # fmt: skip
     assert max(bell.waits) == QUIET_MAX_S  # a collective's backoff reaches the same limit

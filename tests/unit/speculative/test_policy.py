@@ -146,7 +146,7 @@ def test_the_static_policy_asks_the_upstream_only_when_the_decision_depends_on_i
     assert static.decide(view(pending=3), idle).act is Act.VERIFY and asked == []  # enough pending
     d = static.decide(view(pending=1), idle)  # one short of the lookahead: an idle upstream gives no more
     assert asked == [1] and d.act is Act.VERIFY and d.n == 1
-    assert not d.chosen and static.recheck_at(d, 0.0) is None
+    assert not d.chosen and static.decide_again_at(d, 0.0) is None
 
 
 def test_the_adaptive_policy_counts_its_own_choices_and_reports_them_once(monkeypatch):

@@ -13,6 +13,7 @@ from pipespec_mpi.models.scorer import EngineScorer
 from pipespec_mpi.simulate.explore import FAMILIES, Parts, Scenario, World, explore
 from pipespec_mpi.speculative.policy import StaticPolicy
 from pipespec_mpi.stage.batch import BatchedStage, score_alone, score_batch
+from pipespec_mpi.stage.prompt import On, Wait
 
 from ..models.cpu.test_plugins import BASES, engine_for, model_for, needs_kernel
 from ..speculative.test_sampling_power import tiny_parts
@@ -172,51 +173,53 @@ def test_explore_names_the_batch_families():
     assert len(BATCH) == 6 and explore("pipespec-greedy-batch", 1).ok
 
 
-def test_a_batched_stage_sleeps_on_its_bell_only_when_every_live_slot_does():
-    """``rung``: every slot still decoding waits only for its neighbours (a slot at a start gate
-    or a handoff waits for an MPI collective, which rings nobody); ``recheck_at``: the earliest
-    of theirs."""
+def test_a_batched_stage_waits_on_the_least_announced_of_its_live_slots_waits():
+    """A batched stage's ``Wait``: on a neighbour only when every slot still decoding is (a slot
+    at the deal, a start gate or a handoff waits on a collective; a slot owing a send on something
+    no ring announces); ``until``: the earliest of theirs."""
+    from types import SimpleNamespace
+
+    def slot(on: On, at: float | None) -> SimpleNamespace:
+        return SimpleNamespace(wait=lambda: Wait(on, at))
+
+    slots = [slot(On.NEIGHBOUR, None), slot(On.NEIGHBOUR, 3.0), slot(On.COLLECTIVE, 1.0)]
+    stage = BatchedStage([*slots, slot(On.OTHER, None)], clock=SimpleNamespace(now=lambda: 0))
+    assert stage.wait() == Wait(On.OTHER, 1.0)
+    stage.done[3] = True  # a finished slot waits for nothing
+    assert stage.wait() == Wait(On.COLLECTIVE, 1.0)
+    stage.done[2] = True
+    assert stage.wait() == Wait(On.NEIGHBOUR, 3.0)
+
+
+def test_a_stage_loop_owing_a_send_waits_on_what_no_ring_announces():
+    """Tokens owed that a send buffer has no room for yet: a ring alone does not move it."""
     from types import SimpleNamespace
 
     from pipespec_mpi.stage.loop import StageLoop
     from pipespec_mpi.stage.outbox import Outbox
 
-    def slot(rung: bool, at: float | None) -> SimpleNamespace:
-        return SimpleNamespace(rung=lambda: rung, recheck_at=at)
-
-    slots = [slot(True, None), slot(True, 3.0), slot(False, 1.0)]
-    stage = BatchedStage(slots, clock=SimpleNamespace(now=lambda: 0))
-    assert not stage.rung() and stage.recheck_at == 1.0
-    stage.done[2] = True  # a finished slot waits for nothing
-    assert stage.rung() and stage.recheck_at == 3.0
-    # a stage loop owing tokens a send buffer has no room for yet is not moved by a ring alone
-    owing = SimpleNamespace(outbox=Outbox(0, sender=object()), out=[7, 8])
-    owing.outbox.sent = 1
-    assert not StageLoop.rung(owing)
-    owing.outbox.sent = 2
-    assert StageLoop.rung(owing)
-    assert StageLoop.rung(SimpleNamespace(outbox=Outbox(0, sender=None), out=[7, 8]))
+    owing = SimpleNamespace(p=SimpleNamespace(outbox=Outbox(0, sender=object()), out=[7, 8]), until=2.0)
+    owing.p.outbox.sent = 1
+    assert StageLoop.wait(owing) == Wait(On.OTHER, 2.0)
+    owing.p.outbox.sent = 2
+    assert StageLoop.wait(owing) == Wait(On.NEIGHBOUR, 2.0)
+    free = SimpleNamespace(p=SimpleNamespace(outbox=Outbox(0, sender=None), out=[7, 8]), until=None)
+    assert StageLoop.wait(free) == Wait(On.NEIGHBOUR)
 
 
-def test_a_batched_stage_is_patient_only_when_every_live_slot_is():
-    """``patient``: each live slot rung, or at a collective whose other stages ring it."""
+def test_a_stage_process_waits_on_its_replicas_collective_between_its_prompts():
     from types import SimpleNamespace
 
     from pipespec_mpi.stage.process import StageProcess
 
-    def proc(phase: str, rings: bool, rung: bool = False) -> StageProcess:
-        p = StageProcess.__new__(StageProcess)  # the phase and the flag are all patient() reads
-        p.phase, p.collectives_ring = phase, rings
-        p.loop = SimpleNamespace(rung=lambda: rung)
+    def proc(phase: str) -> StageProcess:
+        p = StageProcess.__new__(StageProcess)  # the phase and the loop are all wait() reads
+        p.phase, p.loop = phase, SimpleNamespace(wait=lambda: Wait(On.NEIGHBOUR, 5.0))
         return p
 
-    assert proc("deal", True).patient() and proc("gate", True).patient() and proc("handoff", True).patient()
-    assert not proc("deal", False).patient()  # nobody rings it: poll as before
-    assert proc("decode", False, rung=True).patient() and not proc("decode", True).patient()
-    stage = BatchedStage([proc("deal", True), proc("decode", True)], clock=SimpleNamespace(now=lambda: 0))
-    assert not stage.patient()  # the decoding slot owes a send: it polls
-    stage.done[1] = True
-    assert stage.patient()
+    assert {proc(ph).wait() for ph in ("deal", "gate", "handoff")} == {Wait(On.COLLECTIVE)}
+    assert proc("decode").wait() == Wait(On.NEIGHBOUR, 5.0)
+    assert proc("next").wait() == Wait(On.OTHER)
 
 
 def test_a_batched_stages_bookkeeping_rings_once_per_block_and_its_forward_never_waits_for_one():

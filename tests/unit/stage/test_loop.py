@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from pipespec_mpi.config import DecodeConfig
+from pipespec_mpi.host.wait import StallError
 from pipespec_mpi.run.drive import drive
 from pipespec_mpi.speculative.policy import Act
 from pipespec_mpi.speculative.verifiers import Greedy
 from pipespec_mpi.stage.loop import Forward, StageLoop, Step
 from pipespec_mpi.stage.ports import Header, StagePorts, StageRole
-from pipespec_mpi.stage.wait import StallError
 
 
 class Script:
@@ -30,7 +30,7 @@ class Script:
 def test_drive_keeps_going_while_something_moves(monkeypatch):
     clock = iter(range(0, 10_000, 10))  # every monotonic() call: 10 s later
     monkeypatch.setattr("pipespec_mpi.run.drive.time.monotonic", lambda: next(clock))
-    monkeypatch.setattr("pipespec_mpi.stage.wait.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipespec_mpi.host.wait.time.sleep", lambda s: None)
     # progress without a forward (tokens adopted, proposals taken) resets the stall timer
     drive(Script([Step.WAITING, Step.PROGRESS] * 20), stall_timeout_s=25)
     with pytest.raises(StallError, match="scripted stage: no progress for 25 s"):
@@ -113,7 +113,7 @@ def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     fwd = loop.advance()
     assert isinstance(fwd, Forward) and fwd.act is Act.OWN
     loop.answer(fwd, loop.model.logits(fwd.seq, fwd.proposal), 0.0)
-    assert loop.out == [7]
+    assert loop.p.out == [7]
     assert loop.advance() is Step.WAITING  # the drafter's idle flag predates token 7
     # two drafted tokens of its own, then idle, still on the empty text it had read
     board.headers[0] = Header(1, 0, 2, False, 0, True, down_epoch=0, down_length=0)
@@ -121,3 +121,25 @@ def test_an_idle_flag_older_than_the_verifiers_last_token_is_not_believed():
     board.headers[0] = Header(1, 0, 2, False, 0, True, down_epoch=0, down_length=1)  # read token 7
     fwd = loop.advance()
     assert isinstance(fwd, Forward) and fwd.act is Act.OWN
+
+
+def test_each_prompt_has_its_own_state_and_a_phase_changes_only_between_prompts():
+    """``reset`` makes the prompt's ``PromptState`` (the one place the loop keeps what a prompt
+    changes); the last prompt's is left as it ended; a phase change mid-prompt is refused."""
+    board = HeaderBoard()
+    cfg = DecodeConfig(policy="static", max_new_tokens=1)
+    role = StageRole(0, 1, rank=0, upstream=None, downstream=None)
+    loop = StageLoop(role, CountingScorer(), StagePorts(board, Ticks()), cfg, eos_token_id=0)
+    assert loop.p is None
+    loop.enter_phase(cfg)  # before any prompt: allowed
+    first = loop.reset(1)
+    assert first is loop.p and (first.seq, first.epoch, first.out) == (1, 0, [])
+    loop.begin([3, 4], "ar", Greedy())
+    with pytest.raises(RuntimeError, match="a phase change with prompt 1 in flight"):
+        loop.enter_phase(cfg)
+    while (s := loop.step()) is not Step.DONE:
+        assert s is not Step.WAITING
+    assert loop.finish().tokens == first.out == [7]
+    loop.enter_phase(cfg)
+    second = loop.reset(2)
+    assert second is not first and second.out == [] and first.out == [7] and first.finish_reason == "length"

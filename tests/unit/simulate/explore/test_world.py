@@ -65,7 +65,7 @@ def without_resend(monkeypatch) -> None:
             return False
         self._after_act = False
         out = send(self)
-        self._partial = self.outbox.sent < len(self.out)
+        self._partial = self.p.outbox.sent < len(self.p.out)
         return out
 
     monkeypatch.setattr(StageLoop, "_acted", act_then_send)
