@@ -69,9 +69,10 @@ def stage_device(hier: HierarchyConfig, stage: int, devices: Sequence[int]) -> s
 
 
 def engine_kernels(asked: str, device: str) -> Literal["cpu", "portable"]:
-    """The engine's plug-ins for ``device.kernels``: auto takes the project's kernels on a CPU
-    (models/cpu/), torch's linears and SDPA elsewhere; portable takes torch's everywhere."""
-    return "cpu" if asked == Kernels.auto and device == "cpu" else "portable"
+    """The engine's plug-ins for ``device.kernels`` (or the seam's choice, "cpu" or "portable"):
+    the project's kernels on a CPU (models/cpu/) unless portable is asked, torch's linears and
+    SDPA elsewhere."""
+    return "cpu" if asked in (Kernels.auto, "cpu") and device == "cpu" else "portable"
 
 
 def _from_pretrained(stage: StageConfig, device: torch.device, cuda_devices: list[int], **extra):

@@ -177,3 +177,16 @@ def test_resolve_decides_what_each_rank_runs_once(monkeypatch):
     assert CpuPlatform().resolve(c, cpu.world(0)).device == "host"
     with pytest.raises(PlatformError, match="transport.kind=nccl needs CUDA"):
         CpuPlatform().resolve(cfg("transport.kind=nccl"), cpu.world(0))
+
+
+def test_the_loader_honours_the_seams_kernels():
+    """``device.kernels`` as asked, or as the seam resolved it, picks the same plug-ins."""
+    from pipespec_mpi.models.loader import engine_kernels, load_stage
+
+    assert [engine_kernels(k, "cpu") for k in ("auto", "cpu", "portable")] == ["cpu", "cpu", "portable"]
+    assert {engine_kernels(k, "cuda:1") for k in ("auto", "cpu", "portable")} == {"portable"}
+    hier = cfg().hierarchy
+    seam = CpuPlatform().resolve(cfg(), Node(CpuPlatform(), CpuPlatform(), CpuPlatform()).world(2))
+    assert seam.kernels == "cpu"
+    assert "SiLU by rows" in load_stage(hier, 2, [], seam.kernels).describe()
+    assert "SDPA over the slots' grid" in load_stage(hier, 2, [], "portable").describe()
