@@ -175,9 +175,6 @@ def validate(cfg: AppConfig) -> list[str]:
                          f"random), not kind={s.kind}")  # fmt: skip
             if s.int4_group not in (32, 64, 128, 256):
                 p.append(f"{where}.int4_group={s.int4_group}: one of 32, 64, 128, 256")
-            if s.n_gpus != 1:
-                p.append(f"{where}.n_gpus={s.n_gpus}: quantization=int4 runs a stage on one GPU (a 70B is "
-                         "~37 GB); the engine does not split a stage's layers over GPUs")  # fmt: skip
         if s.threads is not None and s.threads < 1:
             p.append(f"{where}.threads={s.threads}: must be >= 1")
     if h.stages and h.stages[-1].kind in DRAFTER_KINDS:

@@ -224,7 +224,8 @@ class StageConfig:
     int4_group: int = 128
     """quantization=int4: inputs per scale and zero"""
     n_gpus: int = 1
-    """GPUs the stage computes on (model-free stages none)"""
+    """GPUs the stage computes on (model-free stages none); above 1 its decoder layers are split
+    over them in contiguous runs (models/split.py)"""
     threads: int | None = None
     """CPU threads of its rank (None: the node's cores shared out by host/placement.py)"""
     trust_remote_code: bool = False

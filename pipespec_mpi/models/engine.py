@@ -9,13 +9,17 @@ rollback moves a slot's host-side length, nothing on the device.
 
 ``forward`` runs the rows of a ``Batch``: each row one token of one slot at its own position,
 its keys and values written into its slot's cache, its logits kept or not. Nothing in it reads a
-tensor on the host or creates one off the weights' device (tests/unit/models/test_engine.py runs
+tensor on the host or creates one off the weights' devices (tests/unit/models/test_engine.py runs
 it on torch's ``meta`` device). Which rows travel together, and how they are laid out, is the
-host's (models/scorer.py ``Engine``) and the attention back-end's.
+host's (models/scorer.py ``Engine``) and the attention back-end's. A stage too large for one GPU
+has its decoder layers split over its GPUs in contiguous runs (models/split.py): the rows move on at
+each boundary (``moved``: activations and indices, never weights or cache).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -102,7 +106,8 @@ def silu_by_rows(gate: torch.Tensor, b: Batch) -> torch.Tensor:
 
 @dataclass
 class Weights:
-    """A Llama decoder on one device: its tensors, its linears and its plug-ins."""
+    """A Llama decoder: its tensors, its linears and its plug-ins; on one device, or its decoder
+    layers split over several in contiguous runs (models/split.py), the embedding on the first."""
 
     arch: Arch
     embed: torch.Tensor  # [V, H]
@@ -113,10 +118,16 @@ class Weights:
     rope_scale: float  # transformers' attention_scaling of cos and sin
     attention: Attention = field(default=None)  # type: ignore[assignment]  # set by ``of``
     act: Callable[[torch.Tensor, Batch], torch.Tensor] = silu  # the MLP's activation
+    # each decoder layer's device (empty: every one on ``device``); the final norm and head on the last
+    layer_devices: tuple[torch.device, ...] = ()
 
     @property
     def device(self) -> torch.device:
+        """Where a forward starts: the embedding's device (the rows' indices are copied there)."""
         return self.embed.device
+
+    def layer_device(self, i: int) -> torch.device:
+        return self.layer_devices[i] if self.layer_devices else self.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,6 +186,7 @@ class Weights:
                 for lay in inner.layers[: arch.layers]
             ]
         rotary = inner.rotary_emb
+        devices = tuple(lay.input_layernorm.weight.device for lay in inner.layers[: arch.layers])
         return cls(
             arch,
             static(inner.embed_tokens.weight.detach()),
@@ -185,6 +197,7 @@ class Weights:
             float(rotary.attention_scaling),
             attention if attention is not None else GridAttention(),
             act if act is not None else silu,
+            devices if len(set(devices)) > 1 else (),
         )
 
 
@@ -301,8 +314,13 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         if mod._forward_hooks or mod._forward_pre_hooks or hasattr(mod, "_hf_hook"):
             return f"module {name or type(mod).__name__} has forward hooks"
     tensors = [*model.parameters(), *model.buffers()]
-    if len({t.device for t in tensors}) > 1:
-        return "weights on several devices (the engine runs a stage on one)"
+    if len({t.device for t in tensors}) > 1:  # a split (``spread``): each layer on one device
+        inner = model.model
+        for i, layer in enumerate(inner.layers):
+            if len({t.device for t in [*layer.parameters(), *layer.buffers()]}) > 1:
+                return f"decoder layer {i} spans several devices"
+        if inner.norm.weight.device != model.lm_head.weight.device:
+            return "the final norm and the LM head on different devices"
     return None
 
 
@@ -354,10 +372,10 @@ class KVCache:
         a = w.arch
         shape = (slots, a.kv_heads, capacity, a.head_dim)
 
-        def buffer() -> torch.Tensor:
-            return static(torch.zeros(shape, device=w.device, dtype=w.dtype))
+        def buffer(i: int) -> torch.Tensor:
+            return static(torch.zeros(shape, device=w.layer_device(i), dtype=w.dtype))
 
-        layers = [LayerKV.of(buffer(), buffer()) for _ in range(a.layers)]
+        layers = [LayerKV.of(buffer(i), buffer(i)) for i in range(a.layers)]
         return cls(layers, *map(static, rope_table(w, capacity)))
 
     @property
@@ -434,9 +452,22 @@ def forward(w: Weights, cache: KVCache, b: Batch, layer: LayerFn | None = None) 
     cos, sin = cache.cos[b.pos][:, None, :], cache.sin[b.pos][:, None, :]  # [R, 1, D]
     x = w.embed[b.tokens]  # [R, H]
     for lay, kv in zip(w.layers, cache.layers, strict=True):
+        if kv.k.device != x.device:  # the next device of a split: the rows and their batch move on
+            x, cos, sin, b = moved(kv.k.device, x, cos, sin, b)
         x = layer(w, lay, kv, x, cos, sin, b)
+    if w.norm.device != x.device:
+        x, cos, sin, b = moved(w.norm.device, x, cos, sin, b)
     x = rms_norm(x[b.keep], w.norm, w.arch.eps)
     return w.head(x).float()
+
+
+def moved(
+    device: torch.device, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: Batch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Batch]:
+    """The hidden rows, their rotary rows and the batch's indices on ``device`` (a split's next
+    GPU: R x H activations and 5 x R indices, never the weights or the cache)."""
+    to = functools.partial(torch.Tensor.to, device=device, non_blocking=True)
+    return to(x), to(cos), to(sin), dataclasses.replace(b, rows=to(b.rows))
 
 
 def decoder_layer(

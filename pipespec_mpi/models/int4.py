@@ -11,7 +11,11 @@ in half precision on the GPU. The LM head stays dense (its logits decide every t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from pipespec_mpi.models.split import layer_devices, spread
 
 INNER_K_TILES = 8  # tinygemm's packing: the input dim must be a multiple of 16 * this
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -103,10 +107,14 @@ def dequantized(weight: torch.Tensor, group: int) -> torch.Tensor:
     return ((codes.float() - 8).reshape(-1, group) * scales + zeros).reshape(n, k)
 
 
-def quantize_int4(model: torch.nn.Module, device: torch.device, group: int = 128) -> torch.nn.Module:
-    """``model`` (a Llama causal LM, anywhere) with every decoder linear an ``Int4Linear`` on
-    ``device``, one at a time (the dense one dropped as it goes), the rest moved there after."""
-    for layer in model.model.layers:
+def quantize_int4(
+    model: torch.nn.Module, devices: Sequence[torch.device], group: int = 128
+) -> torch.nn.Module:
+    """``model`` (a Llama causal LM, anywhere) with every decoder linear an ``Int4Linear`` on its
+    layer's device (``devices``: one, or a split's, models/engine.py ``spread``), one at a time
+    (the dense one dropped as it goes), the rest moved there after."""
+    layers = model.model.layers
+    for layer, device in zip(layers, layer_devices(len(layers), devices), strict=True):
         for owner in (layer.self_attn, layer.mlp):
             for name in LLAMA_LINEARS:
                 dense = getattr(owner, name, None)
@@ -114,4 +122,4 @@ def quantize_int4(model: torch.nn.Module, device: torch.device, group: int = 128
                     with torch.no_grad():
                         setattr(owner, name, Int4Linear.of(dense.weight.detach().to(device), group))
                     del dense
-    return model.to(device)
+    return spread(model, devices)

@@ -25,6 +25,7 @@ from pipespec_mpi.models.prompt_lookup import PromptLookup
 from pipespec_mpi.models.scorer import Engine, EngineScorer
 from pipespec_mpi.models.shapes import random_llama
 from pipespec_mpi.models.smollm2 import ModelUnavailable, ensure_cache
+from pipespec_mpi.models.split import spread
 from pipespec_mpi.models.suffix import SuffixDrafter, read_corpus
 from pipespec_mpi.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from pipespec_mpi.stage.ports import Proposer, Scorer
@@ -95,7 +96,7 @@ def _from_pretrained(stage: StageConfig, device: torch.device, cuda_devices: lis
             )
         else:
             kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    if len(cuda_devices) > 1:  # a stage spread over several GPUs (e.g. 70B in 4-bit over 2)
+    if len(cuda_devices) > 1:  # bitsandbytes over several GPUs: accelerate's split (transformers' forward)
         kwargs["device_map"] = "auto"
         kwargs["max_memory"] = {d: "1000GiB" for d in cuda_devices}
     elif stage.quantization.startswith("bnb"):
@@ -168,14 +169,27 @@ def load_stage(
     if stage.kind == "suffix":
         return _suffix_drafter(hier, stage)
     device = torch.device(stage_device(hier, index, cuda_devices))
+    devices = [device]
+    if device.type == "cuda" and stage.device == "auto" and len(cuda_devices) > 1:
+        devices = [torch.device(f"cuda:{i}") for i in cuda_devices]  # its layers split over them
     if stage.quantization == "int4":  # read on the host, quantized onto the device linear by linear
         from pipespec_mpi.models.int4 import quantize_int4
 
         model = quantize_int4(
-            _load_torch_model(hier, index, torch.device("cpu"), []), device, stage.int4_group
+            _load_torch_model(hier, index, torch.device("cpu"), []), devices, stage.int4_group
         )
-    else:
-        model = _load_torch_model(hier, index, device, cuda_devices)
+    elif len(devices) > 1 and not stage.quantization.startswith("bnb"):  # read on the host, then split
+        model = _load_torch_model(hier, index, torch.device("cpu"), [])
+        if (why := unsupported_reason(model)) is not None:
+            raise ModelUnavailable(
+                f"stage {stage.name!r}: n_gpus={len(devices)} splits its layers inside the engine, which "
+                f"cannot run this model ({why}): give it one GPU (n_gpus=1), or quantization=int4"
+            )
+        model = spread(model, devices)
+    else:  # one device; bitsandbytes over several through accelerate
+        model = _load_torch_model(
+            hier, index, device, cuda_devices if stage.quantization.startswith("bnb") else []
+        )
     model = model.eval()
     exact_rows = stage.exact_rows
     if exact_rows is None and index == hier.n_stages - 1:

@@ -157,7 +157,7 @@ class StageLoop:
         t = self.clock.now()
         self._wait_ends(t)
         if not self.is_scorer and self.p.finish_reason != "idle":
-            self.p.stats.drafter = self.model.end_sequence(self.p.out[: self._confirmed()])
+            self.p.stats.drafted(self.model.end_sequence(self.p.out[: self._confirmed()]))
         if self.p.finish_reason != "idle":
             self.p.stats.chose(*self.policy.report())
         self._publish(done=True)

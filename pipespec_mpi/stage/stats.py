@@ -108,6 +108,10 @@ class StageStats:
         """The prompt's prefill took ``seconds``."""
         self.prefill_s = seconds
 
+    def drafted(self, report: dict) -> None:
+        """A model-free drafter's own counters at the prompt's end (models/suffix.py)."""
+        self.drafter = report
+
     def looked_up(self, seconds: float, n: int) -> None:
         """A model-free drafter's lookup that took ``seconds`` and found ``n`` tokens (0: a miss)."""
         self.busy_s += seconds

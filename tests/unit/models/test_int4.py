@@ -89,13 +89,13 @@ def test_the_int4_stage_compiles_whole_under_the_jobs_flags():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_int4_is_for_models_on_one_gpu():
+def test_int4_is_for_a_checkpoints_model():
     with pytest.raises(ConfigError, match="quantization=int4: for a checkpoint's model"):
         compose_config(["hierarchy=tiny", "hierarchy.stages.2.quantization=int4"])
     with pytest.raises(ConfigError, match="int4_group=100"):
         compose_config([*PAPER_70B, "hierarchy.stages.2.int4_group=100"])
-    with pytest.raises(ConfigError, match="n_gpus=2: quantization=int4 runs a stage on one GPU"):
-        compose_config([*PAPER_70B, "hierarchy.stages.2.n_gpus=2"])
+    split = compose_config([*PAPER_70B, "hierarchy.stages.2.n_gpus=2"])  # its layers over two GPUs
+    assert split.hierarchy.stages[2].n_gpus == 2
 
 
 def test_bitsandbytes_that_is_not_installed_is_one_message_before_any_model_loads(monkeypatch):
