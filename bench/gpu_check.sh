@@ -16,7 +16,8 @@
 #    forward checked to be what the engine says (whole graphs, at most a few, CUDA graphs captured
 #    with no skip); CPU: the toy shape, eager: OUT_DIR/profile.json;
 # 3. AR, SD and PipeSpec through mpirun at batch 1 and 8 (CPU: 1 and 4): GPU: random_smollm2
-#    (2 ranks) and random_llama3 (3 ranks, once more with its 8B in int4, the quantized stage)
+#    (2 ranks) and random_llama3 (3 ranks, once more with its 8B in int4, the quantized stage, and
+#    on four GPUs or more once with its 8B split over two)
 #    compiled, their transport NCCL where the job's ranks
 #    have a GPU each (an NCCL link from 2 GPUs on), else MPI; CPU: random_toy (float64) on the
 #    GPU's plug-ins (device.kernels=portable) over transport.kind=strict (gloo under NCCL's rules).
@@ -74,6 +75,8 @@ if [ "$MODE" = gpu ]; then
   PROFILE_TIMEOUT=240
   # the last: random_llama3 with its 8B in the engine's int4 (the paper's 70B runs so)
   JOBS=("random_smollm2 2" "random_llama3 3" "random_llama3 3 hierarchy.stages.2.quantization=int4")
+  # four GPUs or more: the 8B's layers split over two of them (models/split.py), as a 70B on 40 GB GPUs
+  [ "$NGPU" -ge 4 ] && JOBS+=("random_llama3 3 hierarchy.stages.2.n_gpus=2")
   JOB_ARGS=("run.batch_sizes=[1,8]" dataset.n_prompts=8 decode.max_new_tokens=48 device.compile=true)
   JOB_TIMEOUT=150
   CHECK=(--compiled --epsilon "${TIE_EPSILON:-0.0625}")
@@ -105,7 +108,11 @@ step "3. AR, SD and PipeSpec through mpirun"
 RUNS=()
 for spec in "${JOBS[@]}"; do
   read -r hier ranks extra <<< "$spec"
-  name=$hier${extra:+-int4}
+  case "$extra" in
+    *quantization=int4*) name=$hier-int4 ;;
+    *n_gpus=2*) name=$hier-split ;;
+    *) name=$hier ;;
+  esac
   transport=()
   if [ "$MODE" = gpu ]; then
     transport=(transport.kind=mpi)
