@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipespec_mpi.comm.bootstrap import World, init_torch_distributed, mpi
 from pipespec_mpi.comm.channel import Receiver, Sender
@@ -41,6 +41,8 @@ from pipespec_mpi.stage.ports import Proposer, Scorer, StagePorts, StageRole
 from pipespec_mpi.topology import Placement
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from pipespec_mpi.data.requests import DatasetError
     from pipespec_mpi.models.tokenizer import Tokenizer
     from pipespec_mpi.run.gpu_monitor import GpuMonitor
@@ -252,11 +254,11 @@ class Links:
     """A rank's connections: proposal channels to its neighbours, its epochs window, and the
     node's and the replica's communicators."""
 
-    sender: Sender | None
-    receiver: Receiver | None
+    sender: Sender | SlotSender | None
+    receiver: Receiver | SlotReceiver | None
     window: AnyWindow
-    node_comm: Any
-    replica_comm: Any
+    node_comm: MPI.Intracomm
+    replica_comm: MPI.Intracomm
 
     def close(self, stall_timeout_s: float) -> None:
         """Graceful close (after a successful run only: after an error the job is aborted)."""
@@ -281,7 +283,6 @@ def connect(
     route decodes at a time: a pair's link carries one route's ``slots`` at once). The
     lanes' links: tagged apart on mpi and gloo; on nccl and strict, ports on one link per pair,
     opened by the first lane that needs it and kept in ``pairs`` for the others (comm/mux.py)."""
-    MPI = mpi()
     comm = world.comm
     transport, device = loaded.seam.transport, None
     if transport == Transport.nccl:
@@ -293,8 +294,8 @@ def connect(
     leviathan = loaded.sampled and cfg.sampling.coupling == "leviathan"
     dist_width = loaded.vocab if leviathan else 0
     width = min(t.max_msg_tokens, 8) if dist_width > 4096 else t.max_msg_tokens
-    sender: Any
-    receiver: Any
+    sender: Sender | SlotSender | None
+    receiver: Receiver | SlotReceiver | None
     if not transport.one_link_per_pair:
         chan = dict(
             depth=t.depth, max_msg_tokens=width, device=device, dist_width=dist_width, tag=slot_tag(slot)
@@ -329,7 +330,7 @@ def connect(
                 pairs[key] = Demux(open_receiver(transport, link_comm, LinkSpec(pl.upstream, **chan)))
             receiver = SlotReceiver(pairs[key], slot, owner)
     max_tokens = cfg.decode.max_new_tokens + cfg.decode.max_verify + 2
-    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    node_comm = comm.Split_type(mpi().COMM_TYPE_SHARED, key=world.rank)
     window = open_window(cfg.run.epochs_window, comm, node_comm, world, pl, max_tokens)
     replica_comm = comm.Split(color=pl.replica, key=pl.stage)
     return Links(
