@@ -64,9 +64,10 @@ class Forward:
 
 
 class StageLoop:
-    """One stage decoding prompts one after another: ``reset(seq)`` before the start of a prompt,
-    ``begin(...)`` at its start, ``step()`` until DONE, ``finish()``; ``pump()`` while waiting
-    between prompts."""
+    """One stage decoding prompts one after another: ``reset(seq)`` before the start of a prompt
+    (its ``PromptState``, stage/prompt.py: everything the loop changes while decoding it),
+    ``begin(...)`` at its start, ``step()`` until DONE (after a WAITING step, ``wait()`` says what
+    it waits on), ``finish()``; ``pump()`` while waiting between prompts."""
 
     def __init__(
         self,
