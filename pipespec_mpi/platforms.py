@@ -14,7 +14,6 @@ from __future__ import annotations
 import abc
 import functools
 import importlib.util
-import logging
 import os
 import subprocess
 from collections.abc import Sequence
@@ -28,8 +27,6 @@ from pipespec_mpi.errors import UserError
 from pipespec_mpi.host.dispatch import check as check_dispatch
 from pipespec_mpi.models.loader import engine_kernels, stage_device
 from pipespec_mpi.topology import check_world, device_for
-
-log = logging.getLogger("pipespec_mpi")
 
 
 class PlatformError(UserError):
@@ -85,7 +82,8 @@ class Resolved:
     kernels: Literal["cpu", "portable"]
     """the engine's plug-ins: a CPU's own kernels where they build, or torch's linears and SDPA"""
     compile: bool
-    """the engine's forward compiled (where its plug-ins are torch's: models/engine.py)"""
+    """the engine's forward compiled (``device.compile``, on torch's plug-ins: the CPU kernels run
+    eager)"""
     thread_shares: bool
     """its torch threads follow each phase's share of the node (host/placement.py); else one count"""
     waits: Literal["doorbell", "poll"]
@@ -96,9 +94,10 @@ class Resolved:
         gpus = f" (GPUs {','.join(map(str, self.devices))})" if len(self.devices) > 1 else ""
         threads = "threads by phase" if self.thread_shares else "one thread count"
         built = ", compiled" if self.compile else ""
+        engine = "model-free" if self.device == "host" else f"{self.kernels} kernels{built}"
         return (
-            f"{self.platform} node, {self.device}{gpus}: {self.kernels} kernels{built}, "
-            f"transport {self.transport}, {threads}, waits by {self.waits}"
+            f"{self.platform} node, {self.device}{gpus}: {engine}, transport {self.transport}, "
+            f"{threads}, waits by {self.waits}"
         )
 
 
@@ -162,13 +161,14 @@ class Platform(abc.ABC):
         self.bind(devices)  # before any CUDA work of this rank
         node = self.checked_node(cfg, world, devices)
         device = stage_device(cfg.hierarchy, world.rank % max(1, cfg.hierarchy.n_stages), devices)
+        kernels = engine_kernels(cfg.device.kernels, device)
         return Resolved(
             platform=self.kind,
             devices=tuple(devices),
             device=device,
             transport=self.transport(cfg.transport.kind, node, rows_may_travel(cfg)),
-            kernels=engine_kernels(cfg.device.kernels, device),
-            compile=cfg.device.compile,
+            kernels=kernels,
+            compile=cfg.device.compile and kernels == "portable" and device != "host",
             thread_shares=self.thread_shares(),
             waits="doorbell" if cfg.run.doorbell else "poll",
         )

@@ -174,7 +174,10 @@ def test_resolve_decides_what_each_rank_runs_once(monkeypatch):
     r = PER_TASK[0].resolve(copies, Node(*PER_TASK[:2]).world(0))
     assert (r.device, r.kernels) == ("cpu", "cpu")
     c = compose_config(["hierarchy=tiny_suffix"])
-    assert CpuPlatform().resolve(c, cpu.world(0)).device == "host"
+    r = CpuPlatform().resolve(c, cpu.world(0))
+    assert r.device == "host" and r.describe().startswith("cpu node, host: model-free, transport mpi")
+    r = CpuPlatform().resolve(cfg("device.compile=true"), cpu.world(1))
+    assert not r.compile  # the CPU kernels run eager: only torch's plug-ins compile
     with pytest.raises(PlatformError, match="transport.kind=nccl needs CUDA"):
         CpuPlatform().resolve(cfg("transport.kind=nccl"), cpu.world(0))
 
