@@ -118,16 +118,11 @@ class Weights:
     rope_scale: float  # transformers' attention_scaling of cos and sin
     attention: Attention = field(default=None)  # type: ignore[assignment]  # set by ``of``
     act: Callable[[torch.Tensor, Batch], torch.Tensor] = silu  # the MLP's activation
-    # each decoder layer's device (empty: every one on ``device``); the final norm and head on the last
-    layer_devices: tuple[torch.device, ...] = ()
 
     @property
     def device(self) -> torch.device:
         """Where a forward starts: the embedding's device (the rows' indices are copied there)."""
         return self.embed.device
-
-    def layer_device(self, i: int) -> torch.device:
-        return self.layer_devices[i] if self.layer_devices else self.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,7 +181,6 @@ class Weights:
                 for lay in inner.layers[: arch.layers]
             ]
         rotary = inner.rotary_emb
-        devices = tuple(lay.input_layernorm.weight.device for lay in inner.layers[: arch.layers])
         return cls(
             arch,
             static(inner.embed_tokens.weight.detach()),
@@ -197,7 +191,6 @@ class Weights:
             float(rotary.attention_scaling),
             attention if attention is not None else GridAttention(),
             act if act is not None else silu,
-            devices if len(set(devices)) > 1 else (),
         )
 
 
@@ -372,10 +365,10 @@ class KVCache:
         a = w.arch
         shape = (slots, a.kv_heads, capacity, a.head_dim)
 
-        def buffer(i: int) -> torch.Tensor:
-            return static(torch.zeros(shape, device=w.layer_device(i), dtype=w.dtype))
+        def buffer(lay: Layer) -> torch.Tensor:  # on the layer's device (a split: models/split.py)
+            return static(torch.zeros(shape, device=lay.ln1.device, dtype=w.dtype))
 
-        layers = [LayerKV.of(buffer(i), buffer(i)) for i in range(a.layers)]
+        layers = [LayerKV.of(buffer(lay), buffer(lay)) for lay in w.layers]
         return cls(layers, *map(static, rope_table(w, capacity)))
 
     @property

@@ -111,7 +111,7 @@ def quantize_int4(
     model: torch.nn.Module, devices: Sequence[torch.device], group: int = 128
 ) -> torch.nn.Module:
     """``model`` (a Llama causal LM, anywhere) with every decoder linear an ``Int4Linear`` on its
-    layer's device (``devices``: one, or a split's, models/engine.py ``spread``), one at a time
+    layer's device (``devices``: one, or a split's, models/split.py ``spread``), one at a time
     (the dense one dropped as it goes), the rest moved there after."""
     layers = model.model.layers
     for layer, device in zip(layers, layer_devices(len(layers), devices), strict=True):

@@ -217,7 +217,7 @@ class StageLoop:
         if d.act in (Act.DRAFT, Act.OWN, Act.VERIFY):
             self._wait_ends(t)
             proposal = self.p.inbox.tokens[: d.n] if d.act is Act.VERIFY else []
-            return Forward(d.act, self._full(), list(proposal))
+            return Forward(d.act, self.p.full(), list(proposal))
         acted = False
         if d.act is Act.LOOKUP:
             acted = self._lookup(d.n)
@@ -276,7 +276,7 @@ class StageLoop:
 
     def _lookup(self, limit: int) -> bool:
         t0 = self.clock.now()
-        toks = self.model.propose(self._full(), limit, confirmed=len(self.p.prompt) + self._confirmed())
+        toks = self.model.propose(self.p.full(), limit, confirmed=len(self.p.prompt) + self._confirmed())
         t1 = self.clock.now()
         self.p.stats.looked_up(t1 - t0, len(toks))
         if not toks:
@@ -425,9 +425,6 @@ class StageLoop:
         if self.role.downstream is None:
             return len(self.p.out)
         return min(len(self.p.out), self.p.down.length) if self.p.down is not None else 0
-
-    def _full(self) -> list[int]:
-        return self.p.full()
 
     def _flags(self) -> tuple[int, bool, int, int]:
         """What a header says beside the tokens: the SD demand, the idle flag and the downstream

@@ -44,7 +44,7 @@ def test_spread_puts_each_part_on_its_device_and_unties_the_head():
 
 def test_the_engine_runs_a_split_stage_moving_only_the_rows():
     w = Weights.of(split_tiny())
-    assert w.device == CPU and w.layer_devices == (CPU, CPU, META, META)
+    assert w.device == CPU and [lay.ln1.device for lay in w.layers] == [CPU, CPU, META, META]
     scorer = EngineScorer("split", Engine(w))
     scorer.prefill(list(range(1, 20)), room=16)
     assert [kv.k.device for kv in scorer.engine.cache.layers] == [CPU, CPU, META, META]
